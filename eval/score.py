@@ -1,0 +1,66 @@
+"""``longsft score PRED.jsonl``: score raw predictions with the shared scorer.
+
+Each line: ``id``, ``prediction`` (raw model text), ``gold_score`` (0-5); optional ``bucket``,
+``language``, ``types``. Prints a table and writes JSON next to the input (or to ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from longsft.train.io import DataError, atomic_write_json, iter_jsonl
+
+from .judgement import normalize_types
+from .metrics import Item, score_items
+
+
+def load_predictions(path: str | Path) -> list[Item]:
+    items = []
+    for lineno, rec in iter_jsonl(path):
+        missing = [k for k in ("id", "prediction", "gold_score") if k not in rec]
+        if missing:
+            raise DataError(f"{path}:{lineno}: missing field(s) {missing}")
+        gold = rec["gold_score"]
+        if isinstance(gold, bool) or not isinstance(gold, (int, float)) or not 0 <= gold <= 5:
+            raise DataError(f"{path}:{lineno}: gold_score must be a number in 0..5, got {gold!r}")
+        pred = rec["prediction"]
+        items.append(Item(id=str(rec["id"]), prediction="" if pred is None else str(pred), gold_score=gold,
+                          bucket=rec.get("bucket"), language=rec.get("language"),
+                          gold_types=tuple(normalize_types(rec.get("types")))))
+    if not items:
+        raise DataError(f"{path}: no predictions")
+    return items
+
+
+def format_table(result: dict) -> str:
+    """Markdown table: overall, then per bucket and language."""
+    lines = ["| slice | n | BA | MCC | invalid | contradiction |", "|---|---:|---:|---:|---:|---:|"]
+
+    def row(name: str, m: dict) -> None:
+        lines.append(f"| {name} | {m['n']} | {m['balanced_accuracy']:.3f} | {m['mcc']:.3f} | "
+                     f"{m['invalid_rate']:.1%} | {m['contradiction_rate']:.1%} |")
+
+    row("all", result)
+    for group in ("by_bucket", "by_language"):
+        for name, m in result.get(group, {}).items():
+            row(name, m)
+    if result.get("by_type"):
+        lines += ["", "| type | n | detection recall | type recall |", "|---|---:|---:|---:|"]
+        for t, m in result["by_type"].items():
+            lines.append(f"| {t} | {m['n']} | {m['detection_recall']:.3f} | {m['type_recall']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="longsft score", description=__doc__.splitlines()[0])
+    ap.add_argument("predictions", help="JSONL with id, prediction, gold_score")
+    ap.add_argument("--out", help="JSON output (default: <predictions>.scores.json)")
+    ap.add_argument("--invalid-policy", default="wrong", choices=["wrong", "hallucinated", "faithful"])
+    args = ap.parse_args(argv)
+    result = score_items(load_predictions(args.predictions), args.invalid_policy)
+    out = Path(args.out or Path(args.predictions).with_suffix(".scores.json"))
+    atomic_write_json(out, result)
+    print(format_table(result))
+    print(f"\nwrote {out}")
+    return 0

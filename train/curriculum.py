@@ -1,0 +1,121 @@
+"""The curriculum: stages in order, each initialised from the previous stage's best model.
+
+``state.json`` in the run directory records every stage (status, steps, best checkpoint and
+its validation metrics). Re-running the same command resumes: finished stages are skipped,
+an unfinished one continues from its last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from . import distributed
+from .config import ConfigError, RunConfig, dump_yaml, to_dict, validate
+from .io import atomic_write_json, atomic_write_text
+from .model import build_tokenizer
+from .report import write_report
+from .tracker import Tracker
+
+
+def load_state(cfg: RunConfig) -> dict:
+    path = cfg.run_path / "state.json"
+    if path.exists():
+        state = json.loads(path.read_text())
+        names = [s.name for s in cfg.stages]
+        if list(state["stages"]) != names:
+            raise ConfigError(f"{path}: this run directory holds stages {list(state['stages'])}, the recipe has "
+                              f"{names}; use a new run_dir or the original recipe")
+        return state
+    return {"recipe": cfg.recipe, "created": time.time(),
+            "stages": {s.name: {"status": "pending", "steps_done": 0} for s in cfg.stages}}
+
+
+def check_resolved_config(cfg: RunConfig) -> None:
+    """A resumed run must use the same resolved config (except logging)."""
+    path = cfg.run_path / "config.yaml"
+    new = dump_yaml(cfg)
+    if path.exists():
+        import yaml
+
+        old = yaml.safe_load(path.read_text())
+        now = to_dict(cfg)
+        old.pop("logging", None), now.pop("logging", None)
+        if old != now:
+            diff = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
+            raise ConfigError(f"{path}: the run directory was created with a different config (differs in "
+                              f"{diff}); use a new run_dir or the same recipe and overrides")
+    else:
+        atomic_write_text(path, new)
+
+
+def prepare_data(cfg: RunConfig, tokenizer) -> None:
+    """``data.source: sample`` -> write the deterministic sample set into the run dir (once)."""
+    if cfg.data.source != "sample":
+        return
+    from .sample_data import write_sample_data
+
+    out = cfg.run_path / "data"
+    buckets = sorted({s.bucket for s in cfg.stages})
+    if all((out / b / "validation.jsonl").exists() for b in buckets):
+        return
+    write_sample_data(out, tokenizer, buckets, cfg.data.sample_size, max(2, cfg.data.sample_size // 4),
+                      cfg.data.seed)
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Parse every stage's data files up front so a bad line fails before hours of training."""
+    from .data import load_samples
+    from .trainer import stage_files
+
+    for stage in cfg.stages:
+        train, val = stage_files(cfg, stage)
+        load_samples(train)
+        if stage.validate:
+            load_samples(val)
+
+
+def run(cfg: RunConfig) -> dict:
+    """Run (or resume) the whole curriculum; returns the final state."""
+    validate(cfg)
+    d = distributed.init(cfg.parallel.sp_size)
+    run_dir = cfg.run_path
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        check_resolved_config(cfg)
+    d.barrier()
+    state = load_state(cfg)
+    tokenizer = build_tokenizer(cfg.model)
+    if d.is_main:
+        prepare_data(cfg, tokenizer)
+    d.barrier()
+    check_data(cfg)  # every rank: bad data fails everywhere before any training
+    tracker = Tracker(run_dir, cfg.logging, d.is_main, to_dict(cfg))
+
+    def save() -> None:
+        if d.is_main:
+            atomic_write_json(run_dir / "state.json", state)
+
+    from .trainer import StageTrainer  # deepspeed is imported only after the environment is set
+
+    init_from = None
+    t0 = time.time()
+    for i, stage in enumerate(cfg.stages):
+        entry = state["stages"][stage.name]
+        if entry["status"] == "done":
+            tracker.write(f"stage {stage.name}: done, skipping (best: {entry.get('best', {}).get('path')})")
+        else:
+            entry["init_from"] = init_from
+            StageTrainer(cfg, i, d, tokenizer, tracker, entry, save, init_from).run()
+            if d.is_main:
+                write_report(run_dir, state)
+        init_from = entry["best"]["path"]
+    state["seconds_this_run"] = time.time() - t0
+    save()
+    if d.is_main:
+        write_report(run_dir, state)
+        tracker.write(f"done in {state['seconds_this_run']:.0f} s; report: {run_dir / 'report.md'}")
+    tracker.close()
+    d.barrier()
+    distributed.shutdown()
+    return state

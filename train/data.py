@@ -1,0 +1,280 @@
+"""LongNovel samples: schema, prompts, tokenisation with answer-only labels, batching.
+
+Accepted record forms (one JSON object per line):
+
+- released LongNovel: ``id, language, article, summary, instruction, input, output`` —
+  ``instruction`` is the task prompt, ``output`` the gold judgement (JSON string);
+- richer longsft form: ``id, language, article, summary`` plus ``gold_score`` (0-5) and optional
+  ``types``, ``reason``, ``bucket``, ``source`` (human/mma/erhg), ``split``.
+
+The prompt is always rendered from its parts (instruction, article, summary) so that the
+article can be truncated in the middle without touching the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from longsft.eval.judgement import normalize_types, parse_judgement
+
+from .io import DataError, iter_jsonl
+
+LANGUAGES = ("zh", "en")
+IGNORE = -100
+
+# Canonical type -> the name the prompt of each language uses (LongNovel's prompt vocabulary).
+TYPE_NAMES = {
+    "en": {"entity": "Entity", "numerical": "Numeric", "relation": "Relational",
+           "inversion": "Contradictory Statement", "event": "Event", "temporal": "Timeline Disruption",
+           "causal": "Causal Chain Fabrication", "fabrication": "Fictional Event"},
+    "zh": {"entity": "实体", "numerical": "数字", "relation": "关系", "inversion": "反向陈述", "event": "事件",
+           "temporal": "时间线乱序", "causal": "因果链伪造", "fabrication": "虚构事件"},
+}
+
+_INSTRUCTION = {
+    "en": ("You are a consistency checker for novel summaries. Compare the summary with the original text "
+           "and rate its factual consistency from 0 to 5: 5 = fully consistent; 4 = consistent with minor "
+           "over-inference; 3 = correct but generalised or simplified; 2 = clear errors in names, numbers, "
+           "times or events; 1 = mostly fabricated; 0 = irrelevant. Omissions do not lower the score. "
+           "Hallucination types: " + ", ".join(TYPE_NAMES["en"].values()) + ". Answer with JSON only: "
+           '{"score": int, "reason": str} when the score is 3 or more, otherwise '
+           '{"reason": str, "score": int, "hallucination_types": [str]}.'),
+    "zh": ("你是小说摘要的一致性检查员。请对照原文判断摘要的事实一致性，打分0到5分：5分=完全一致；4分=基本一致，"
+           "略有过度推断；3分=事实正确但有概括或简化；2分=时间、人名、数字或事件有明显错误；1分=大部分内容虚构；"
+           "0分=与原文无关。遗漏不扣分。幻觉类型：" + "、".join(TYPE_NAMES["zh"].values()) + "。只输出JSON："
+           '3分及以上为{"score": int, "reason": str}，否则为{"reason": str, "score": int, "hallucination_types": [str]}。'),
+}
+_COT = {"en": " Think step by step about each summary sentence before the JSON.",
+        "zh": "请先逐句分析摘要，再输出JSON。"}
+_LABELS = {"en": ("Original text:", "Summary:"), "zh": ("原文：", "摘要：")}
+TRUNCATION_MARK = {"en": "\n[... middle of the text omitted ...]\n", "zh": "\n【……中间部分省略……】\n"}
+
+PromptVariant = Literal["end", "begin", "cot"]
+
+
+@dataclass
+class Sample:
+    id: str
+    language: str
+    article: str
+    summary: str
+    gold_score: int
+    target: str  # the judgement text the model is trained to produce
+    types: list[str] = field(default_factory=list)
+    instruction: str | None = None
+    bucket: str | None = None
+    source: str | None = None
+    split: str | None = None
+
+
+def load_samples(path: str | Path) -> list[Sample]:
+    """Read and validate a JSONL file; errors name the file, line and field."""
+    samples, seen = [], set()
+    for lineno, rec in iter_jsonl(path):
+        s = _parse_record(rec, f"{path}:{lineno}")
+        if s.id in seen:
+            raise DataError(f"{path}:{lineno}: duplicate id {s.id!r}")
+        seen.add(s.id)
+        samples.append(s)
+    if not samples:
+        raise DataError(f"{path}: no samples")
+    return samples
+
+
+def _parse_record(rec: dict, where: str) -> Sample:
+    for key in ("id", "language", "article", "summary"):
+        if key not in rec:
+            raise DataError(f"{where}: missing field {key!r}")
+        if not isinstance(rec[key], str) or (key != "id" and not rec[key].strip()):
+            raise DataError(f"{where}: field {key!r} must be a non-empty string")
+    lang = rec["language"]
+    if lang not in LANGUAGES:
+        raise DataError(f"{where}: unknown language {lang!r} (expected one of {list(LANGUAGES)})")
+    if "gold_score" in rec:
+        score = rec["gold_score"]
+        if isinstance(score, bool) or not isinstance(score, int) or not 0 <= score <= 5:
+            raise DataError(f"{where}: gold_score must be an integer 0..5, got {score!r}")
+        types = normalize_types(rec.get("types"))
+        target = rec.get("output") or render_target(lang, score, types, rec.get("reason") or "")
+    elif "output" in rec:
+        j = parse_judgement(rec["output"])
+        if not j.valid:
+            raise DataError(f"{where}: field 'output' holds no valid judgement score")
+        score, types, target = int(j.score), j.types, rec["output"]
+    else:
+        raise DataError(f"{where}: needs 'gold_score' or 'output' (the gold judgement)")
+    return Sample(id=rec["id"], language=lang, article=rec["article"], summary=rec["summary"],
+                  gold_score=score, target=target, types=types, instruction=rec.get("instruction"),
+                  bucket=rec.get("bucket"), source=rec.get("source"), split=rec.get("split"))
+
+
+def render_target(language: str, score: int, types: list[str], reason: str) -> str:
+    """The paper's judgement JSON: reason first (and types) when hallucinated."""
+    if score >= 3:
+        obj = {"score": score, "reason": reason}
+    else:
+        obj = {"reason": reason, "score": score,
+               "hallucination_types": [TYPE_NAMES[language][t] for t in types]}
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def render_prompt(s: Sample, variant: PromptVariant = "end", article: str | None = None) -> str:
+    """User message: instruction + article + summary (summary last unless ``begin``)."""
+    instruction = s.instruction or _INSTRUCTION[s.language]
+    if variant == "cot":
+        instruction += _COT[s.language]
+    art_label, sum_label = _LABELS[s.language]
+    art = f"{art_label}\n{s.article if article is None else article}"
+    summ = f"{sum_label}\n{s.summary}"
+    body = f"{summ}\n\n{art}" if variant == "begin" else f"{art}\n\n{summ}"
+    return f"{instruction}\n\n{body}"
+
+
+# --------------------------------------------------------------------------- tokenisation
+
+
+@dataclass
+class Encoded:
+    """Token ids of one sample; ``labels`` are IGNORE on the prompt (answer-only training)."""
+
+    sample: Sample
+    input_ids: list[int]
+    labels: list[int]
+    prompt_len: int
+    truncated: bool = False
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                              return_dict=False, enable_thinking=False))
+
+
+def _answer_ids(tokenizer, prompt: list[int], text: str, answer: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    full = list(tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False, enable_thinking=False))
+    if full[: len(prompt)] == prompt and len(full) > len(prompt):
+        return full[len(prompt):]
+    # Templates that rewrite earlier turns (thinking blocks): answer tokens + end of turn.
+    return tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def encode(s: Sample, tokenizer, seq_len: int, variant: PromptVariant = "end",
+           overflow: str = "truncate") -> Encoded | None:
+    """Prompt + answer ids within ``seq_len``; None when ``overflow='skip'`` and too long.
+
+    Truncation removes the middle of the article (the summary and instruction stay whole).
+    """
+    text = render_prompt(s, variant)
+    p = prompt_ids(tokenizer, text)
+    a = _answer_ids(tokenizer, p, text, s.target)
+    truncated = False
+    if len(p) + len(a) > seq_len:
+        if overflow == "skip":
+            return None
+        p, text = _truncate_middle(s, tokenizer, seq_len - len(a), variant, len(p))
+        if p is None:
+            return None
+        a = _answer_ids(tokenizer, p, text, s.target)
+        truncated = True
+    return Encoded(s, p + a, [IGNORE] * len(p) + a, len(p), truncated)
+
+
+def _truncate_middle(s: Sample, tokenizer, budget: int, variant: PromptVariant, prompt_len: int):
+    """Shrink the article's middle until the prompt fits ``budget`` tokens (a few passes)."""
+    art = tokenizer.encode(s.article, add_special_tokens=False)
+    mark = TRUNCATION_MARK[s.language]
+    overhead = prompt_len - len(art)
+    keep = budget - overhead - 8
+    for _ in range(6):
+        if keep <= 0:
+            return None, None
+        head = keep // 2
+        article = tokenizer.decode(art[:head]) + mark + tokenizer.decode(art[len(art) - (keep - head):])
+        text = render_prompt(s, variant, article)
+        p = prompt_ids(tokenizer, text)
+        if len(p) <= budget:
+            return p, text
+        keep -= len(p) - budget + 4
+    return None, None
+
+
+@dataclass
+class EncodeStats:
+    total: int = 0
+    kept: int = 0
+    truncated: int = 0
+    skipped: int = 0
+    max_len: int = 0
+
+
+def encode_all(samples: list[Sample], tokenizer, seq_len: int, variant: PromptVariant,
+               overflow: str) -> tuple[list[Encoded], EncodeStats]:
+    out, st = [], EncodeStats(total=len(samples))
+    for s in samples:
+        e = encode(s, tokenizer, seq_len, variant, overflow)
+        if e is None:
+            st.skipped += 1
+            continue
+        st.kept += 1
+        st.truncated += e.truncated
+        st.max_len = max(st.max_len, len(e.input_ids))
+        out.append(e)
+    return out, st
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def collate(items: list[Encoded], pad_id: int, pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to a common length. Labels are shifted here, before any sequence split:
+    ``shift_labels[b, t]`` is the target of position ``t`` (IGNORE where none).
+
+    Returns input_ids, attention_mask, position_ids, shift_labels: all [batch, seq].
+    """
+    n = max(len(e.input_ids) for e in items)
+    n = -(-n // pad_to_multiple) * pad_to_multiple
+    ids = torch.full((len(items), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), n), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(items), n), dtype=torch.long)
+    for i, e in enumerate(items):
+        k = len(e.input_ids)
+        ids[i, :k] = torch.tensor(e.input_ids)
+        labels[i, :k] = torch.tensor(e.labels)
+        mask[i, :k] = 1
+    shift = torch.full_like(labels, IGNORE)
+    shift[:, :-1] = labels[:, 1:]
+    pos = torch.arange(n).expand(len(items), n).clone()
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "shift_labels": shift}
+
+
+class StepSampler:
+    """Deterministic map from optimizer step -> this rank's micro-batches.
+
+    Each epoch is a seeded permutation; a global step takes ``dp_size * micro * accum`` samples
+    (the tail that does not fill a step is dropped, so every rank sees the same number of
+    batches). Resuming at step ``s`` needs nothing but ``s``.
+    """
+
+    def __init__(self, n: int, dp_size: int, dp_rank: int, micro: int, accum: int, seed: int):
+        self.n, self.dp_size, self.dp_rank, self.micro, self.accum, self.seed = n, dp_size, dp_rank, micro, accum, seed
+        self.global_batch = dp_size * micro * accum
+        self.steps_per_epoch = n // self.global_batch
+
+    def global_indices(self, step: int) -> list[int]:
+        """Every sample index of global ``step``, all ranks together."""
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        perm = list(range(self.n))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+        return perm[pos * self.global_batch:(pos + 1) * self.global_batch]
+
+    def step(self, step: int) -> list[list[int]]:
+        """Indices for ``accum`` micro-batches of this rank at global ``step``."""
+        mine = self.global_indices(step)[self.dp_rank::self.dp_size]
+        return [mine[i * self.micro:(i + 1) * self.micro] for i in range(self.accum)]

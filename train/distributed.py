@@ -1,0 +1,147 @@
+"""Process groups and parallel degrees. Everything else asks :class:`ParallelDims`.
+
+Naming: "axis" is a direction of the rank grid (dp, sp); "dim" is a tensor dimension.
+Ranks are laid out sp-major-inner: ranks ``[k*sp, (k+1)*sp)`` form sequence-parallel group
+``k`` (contiguous, so a group stays inside a node); ranks with equal ``rank % sp`` form a
+data-parallel group. ZeRO-3 shards over the whole world.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    sp_size: int = 1
+
+    def __post_init__(self):
+        if self.sp_size < 1 or self.world_size % self.sp_size:
+            raise ConfigError(f"parallel.sp_size={self.sp_size} must divide the world size {self.world_size} "
+                              f"(launch with a multiple of {self.sp_size} processes, or change sp_size)")
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.sp_size
+
+    def sp_rank(self, rank: int) -> int:
+        return rank % self.sp_size
+
+    def sp_group_ranks(self) -> list[list[int]]:
+        return [list(range(k * self.sp_size, (k + 1) * self.sp_size)) for k in range(self.dp_size)]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        return [list(range(r, self.world_size, self.sp_size)) for r in range(self.sp_size)]
+
+
+@dataclass
+class Dist:
+    """This process's place in the job and its groups."""
+
+    rank: int
+    local_rank: int
+    dims: ParallelDims
+    device: torch.device
+    sp_group: object = None
+    dp_group: object = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.dims.sp_rank(self.rank)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def setup_env() -> None:
+    """Environment that must exist before deepspeed is imported."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:  # plain `python launch/...`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def init(sp_size: int, timeout_s: int = 1800) -> Dist:
+    """Initialise torch.distributed (NCCL on GPUs, gloo on CPU) and the dp/sp groups."""
+    setup_env()
+    world = int(os.environ["WORLD_SIZE"])
+    dims = ParallelDims(world, sp_size)  # validate before any collective
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))  # wraps the group
+    d = Dist(rank=rank, local_rank=local_rank, dims=dims, device=device)
+    for ranks in dims.sp_group_ranks():  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            d.sp_group = g
+    for ranks in dims.dp_group_ranks():
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            d.dp_group = g
+    return d
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_objects(obj: object) -> list:
+    """Every rank's ``obj``, in rank order (a list of one without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

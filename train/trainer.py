@@ -1,0 +1,187 @@
+"""One curriculum stage: data, engine, training loop, validation hook, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .config import ConfigError, RunConfig, StageConfig
+from .data import StepSampler, collate, encode_all, load_samples
+from .distributed import Dist
+from .engine import build_ds_config, build_engine
+from .io import write_jsonl
+from .loss import backward_scale, token_loss_sum
+from .model import build_hf_config, build_model
+from .tracker import Tracker, peak_memory_gb
+from .validation import is_better, run_validation
+
+
+def stage_files(cfg: RunConfig, stage: StageConfig) -> tuple[Path, Path]:
+    """(train, validation) JSONL of ``stage``: the sample set in the run dir, or the recipe's files."""
+    if cfg.data.source == "sample":
+        root = cfg.run_path / "data" / stage.bucket
+        return root / "train.jsonl", root / "validation.jsonl"
+    return (Path(cfg.data.train_file.format(bucket=stage.bucket, split="train")),
+            Path(cfg.data.validation_file.format(bucket=stage.bucket, split="validation")))
+
+
+class StageTrainer:
+    """Trains ``stage`` from ``init_from`` (HF folder or None) and keeps its best checkpoint.
+
+    ``state`` is this stage's entry in ``state.json``; ``save_state`` persists it (rank 0).
+    """
+
+    def __init__(self, cfg: RunConfig, index: int, d: Dist, tokenizer, tracker: Tracker, state: dict,
+                 save_state, init_from: str | None):
+        self.cfg, self.stage, self.d, self.tok = cfg, cfg.stages[index], d, tokenizer
+        self.tracker, self.state, self.save_state, self.init_from = tracker, state, save_state, init_from
+        self.dir = cfg.run_path / "stages" / self.stage.name
+        self.pad_id = tokenizer.pad_token_id
+
+    # ------------------------------------------------------------------ setup
+
+    def _data(self) -> None:
+        st, cfg = self.stage, self.cfg
+        train_path, val_path = stage_files(cfg, st)
+        self.train, tstats = encode_all(load_samples(train_path), self.tok, st.seq_len, cfg.data.prompt, st.overflow)
+        val = load_samples(val_path) if st.validate else []
+        if cfg.validation.max_samples:
+            val = val[: cfg.validation.max_samples]
+        # Validation prompts must leave room for the generated judgement.
+        self.val, vstats = encode_all(val, self.tok, st.seq_len - cfg.validation.max_new_tokens, cfg.data.prompt,
+                                      st.overflow)
+        o = cfg.optim
+        self.sampler = StepSampler(len(self.train), self.d.dims.dp_size, self.d.dp_rank, o.micro_batch_size,
+                                   o.grad_accum, cfg.seed)
+        if self.sampler.steps_per_epoch == 0:
+            raise ConfigError(f"stage {st.name!r}: {len(self.train)} usable samples in {train_path} "
+                              f"(of {tstats.total}; {tstats.skipped} skipped as longer than {st.seq_len}) "
+                              f"do not fill one global batch of {self.sampler.global_batch}")
+        if st.validate and not self.val:
+            raise ConfigError(f"stage {st.name!r}: no usable validation samples in {val_path}")
+        spe = self.sampler.steps_per_epoch
+        self.total_steps = st.max_steps if st.max_steps > 0 else max(1, round(st.epochs * spe))
+        every = st.every_steps if st.every_steps is not None else cfg.validation.every_steps
+        self.val_every = every if every > 0 else spe
+        self.state.update(total_steps=self.total_steps, steps_per_epoch=spe,
+                          data={"train": asdict(tstats), "validation": asdict(vstats),
+                                "train_file": str(train_path), "validation_file": str(val_path)})
+        self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples "
+                           f"({tstats.truncated} truncated, {tstats.skipped} skipped; policy={st.overflow}), "
+                           f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}")
+
+    def _engine(self) -> None:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hidden = build_hf_config(self.cfg.model, self.init_from).hidden_size
+        self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
+        # Alive while the model is built: ZeRO-3 partitions weights as they load.
+        self._hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841
+        model = build_model(self.cfg.model, self.init_from, self.cfg.seed)
+        self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict:
+        checkpoint.recover(self.dir)
+        self._data()
+        self._engine()
+        step = 0
+        tag = checkpoint.latest_resume(self.dir)
+        if tag is not None:
+            ts = checkpoint.load_resume(self.engine, self.d, tag)
+            step = ts["step"]
+            self.state["best"] = ts.get("best")
+            self.tracker.write(f"stage {self.stage.name}: resumed from {tag} at step {step}")
+        self.state["status"] = "running"
+        self._persist()
+        self.tracker.start_stage(self.stage.name, self.total_steps, step)
+        start, start_step = time.time(), step
+        while step < self.total_steps:
+            rec = self._train_step(step)
+            step += 1
+            if not math.isfinite(rec["loss"]):
+                raise FloatingPointError(f"stage {self.stage.name}: loss is {rec['loss']} at step {step}; "
+                                         f"the last good checkpoint is kept in {self.dir / 'ckpt'}")
+            if step % self.cfg.logging.log_every == 0 or step == self.total_steps:
+                self.tracker.log(rec)
+            validate = self.stage.validate and (step % self.val_every == 0 or step == self.total_steps)
+            save = validate or step == self.total_steps or (
+                self.stage.save_every_steps and step % self.stage.save_every_steps == 0)
+            if validate:
+                self._validate(step)
+            if save:
+                self.state["steps_done"] = step
+                checkpoint.save_resume(self.engine, self.d, self.dir, step,
+                                       {"step": step, "best": self.state.get("best")})
+                self.state["last_checkpoint"] = str(checkpoint.latest_resume(self.dir))
+                self._persist()
+        self.tracker.end_stage()
+        if not self.stage.validate:  # the last model is the stage's output
+            checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", {"step": step})
+            self.state["best"] = {"path": str(self.dir / "best"), "step": step}
+        self.state.update(status="done", steps_done=step,
+                          seconds=self.state.get("seconds", 0.0) + time.time() - start,
+                          steps_this_run=step - start_step)
+        self._persist()
+        self._release()
+        return self.state
+
+    def _train_step(self, step: int) -> dict:
+        t0 = time.time()
+        micro = self.sampler.step(step)
+        global_idx = self.sampler.global_indices(step)
+        n_global = sum(self._n_targets(i) for i in global_idx)
+        scale = backward_scale(n_global, self.engine.dp_world_size, self.cfg.optim.grad_accum)
+        loss_sum, tokens = torch.zeros((), dtype=torch.float64), 0
+        for idx in micro:
+            batch = {k: v.to(self.d.device) for k, v in collate([self.train[i] for i in idx], self.pad_id).items()}
+            loss, _ = token_loss_sum(self.engine, batch)
+            self.engine.backward(loss * scale)
+            self.engine.step()
+            loss_sum += loss.detach().double().cpu()
+            tokens += int(batch["attention_mask"].sum())
+        stats = torch.tensor([loss_sum.item(), tokens], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(stats)
+        dt = time.time() - t0
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": stats[0].item() / n_global,
+                "lr": self.engine.get_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": int(stats[1].item()), "tokens_per_s": stats[1].item() / dt, "step_time_s": dt,
+                "memory_gb": peak_memory_gb()}
+
+    def _n_targets(self, i: int) -> int:
+        # collate shifts labels by one: position t predicts t+1, so the first label never counts
+        return sum(1 for x in self.train[i].labels[1:] if x != -100)
+
+    def _validate(self, step: int) -> None:
+        v = self.cfg.validation
+        metrics, rows = run_validation(self.engine, self.tok, self.val, self.d, v.max_new_tokens, v.invalid_policy,
+                                       v.loss, self.pad_id)
+        metrics.update(kind="val", stage=self.stage.name, step=step)
+        if self.d.is_main:
+            write_jsonl(self.dir / "val" / f"step_{step:07d}.jsonl", rows)
+        self.tracker.log(metrics)
+        self.state.setdefault("validations", []).append({k: metrics[k] for k in (
+            "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss")})
+        if is_better(metrics, self.state.get("best")):
+            checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", metrics)
+            self.state["best"] = {"path": str(self.dir / "best"), **{k: metrics[k] for k in (
+                "step", "balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "val_loss")}}
+            self.tracker.write(f"[{self.stage.name} step {step}] new best (BA {metrics['balanced_accuracy']:.3f})")
+
+    def _persist(self) -> None:
+        self.save_state()
+
+    def _release(self) -> None:
+        self.engine.destroy()
+        del self.engine, self._hf_ds
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
