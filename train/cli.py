@@ -79,3 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"longsft: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

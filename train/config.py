@@ -163,14 +163,32 @@ def recipe_path(name: str) -> Path:
         return p
     p = RECIPE_DIR / f"{name}.yaml"
     if not p.exists():
-        known = sorted(q.stem for q in RECIPE_DIR.glob("*.yaml"))
+        known = shipped_recipes()
         raise ConfigError(f"unknown recipe {name!r}{_suggest(name, known)}; known: {', '.join(known)}")
     return p
 
 
+def shipped_recipes() -> list[str]:
+    """Runnable recipes in ``recipes/`` (files starting with ``_`` are bases)."""
+    return sorted(q.stem for q in RECIPE_DIR.glob("*.yaml") if not q.stem.startswith("_"))
+
+
 def load_config(recipe: str, overrides: list[str] = ()) -> RunConfig:
-    """Recipe YAML + ``key=value`` overrides -> validated :class:`RunConfig`."""
+    """Recipe YAML (with its ``base:`` chain) + ``key=value`` overrides -> validated :class:`RunConfig`."""
     path = recipe_path(recipe)
+    raw, where = _load_recipe(path, seen=())
+    raw["recipe"] = raw.get("recipe") or path.stem
+    for ov in overrides:
+        key, value = parse_override(ov)
+        set_path(raw, key, value)
+        where[key] = f"override {ov!r}"
+    return build(RunConfig, raw, where=where)
+
+
+def _load_recipe(path: Path, seen: tuple) -> tuple[dict, dict[str, str]]:
+    """YAML mapping + {dotted key: 'file:line'}; ``base: NAME`` is loaded first and merged under."""
+    if path in seen:
+        raise ConfigError(f"{path}: circular base chain {[str(p) for p in seen]}")
     text = path.read_text(encoding="utf-8")
     try:
         raw = yaml.safe_load(text) or {}
@@ -179,13 +197,21 @@ def load_config(recipe: str, overrides: list[str] = ()) -> RunConfig:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of keys")
-    raw.setdefault("recipe", path.stem)
     where = {k: f"{path}:{v}" for k, v in lines.items()}
-    for ov in overrides:
-        key, value = parse_override(ov)
-        set_path(raw, key, value)
-        where[key] = f"override {ov!r}"
-    return build(RunConfig, raw, where=where)
+    base = raw.pop("base", None)
+    if base is None:
+        return raw, where
+    base_raw, base_where = _load_recipe(recipe_path(base), seen + (path,))
+    base_raw.pop("recipe", None)
+    return _merge(base_raw, raw), {**base_where, **where}
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """Deep-merge mappings; lists and scalars in ``top`` replace those in ``base``."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -315,16 +341,17 @@ def _type_name(tp: Any) -> str:
 
 def _suggest(word: str, choices: list[str], prefix: str = "") -> str:
     close = difflib.get_close_matches(word, choices, n=1, cutoff=0.5)
-    return f" (did you mean {prefix}{close[0]!r}?)" if close else ""
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
 def _msg(key: str, where: dict[str, str], text: str) -> str:
-    loc = where.get(key.rstrip("."))
-    if loc is None:  # fall back to the nearest parent key that has a location
-        parts = key.rstrip(".").split(".")
-        while parts and loc is None:
-            parts.pop()
-            loc = where.get(".".join(parts))
+    """Prefix ``text`` with where ``key`` was set: itself, a child it was set through, or a parent."""
+    key = key.rstrip(".")
+    loc = where.get(key) or next((v for k, v in where.items() if k.startswith(key + ".")), None)
+    parts = key.split(".")
+    while loc is None and parts:
+        parts.pop()
+        loc = where.get(".".join(parts))
     return f"{loc}: {text}" if loc else text
 
 

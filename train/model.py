@@ -85,7 +85,8 @@ def build_hf_config(cfg: ModelConfig, init_from: str | None = None):
         rope.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
         hf.rope_parameters = rope
         factor = float(cfg.rope_scaling.get("factor", 1.0))
-        hf.max_position_embeddings = int(rope["original_max_position_embeddings"] * factor)
+        # never lower the window (Llama 3.1 already declares 128K with its llama3 factor-8 scaling)
+        hf.max_position_embeddings = max(hf.max_position_embeddings, int(rope["original_max_position_embeddings"] * factor))
     hf.use_cache = False  # training: no KV cache (packed documents must not leak into each other)
     return hf
 

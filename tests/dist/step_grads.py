@@ -1,0 +1,74 @@
+"""One optimizer step's loss and full parameter gradients, for reference comparisons.
+
+    python  tests/dist/step_grads.py ref MODEL DATA OUT DP [key=value ...]   # one process, plain torch
+    torchrun --nproc_per_node=N tests/dist/step_grads.py ds MODEL DATA OUT DP [key=value ...]
+
+DP is the data-parallel degree whose global batch both modes use.
+
+``ds`` runs the trainer's own pieces (DeepSpeed config, engine, StepSampler, loss scaling);
+``ref`` computes the global token-mean loss of the same global batch in one process.
+"""
+
+import sys
+
+import torch
+
+
+def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
+    from longsft.train import distributed
+
+    d = distributed.init(1) if mode == "ds" else None
+    from longsft.train.config import load_config
+    from longsft.train.data import StepSampler, collate, encode_all, load_samples
+    from longsft.train.loss import backward_scale, token_loss_sum
+    from longsft.train.model import build_model, build_tokenizer
+
+    cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", *overrides])
+    stage = cfg.stages[0]
+    tok = build_tokenizer(cfg.model)
+    items, _ = encode_all(load_samples(data), tok, stage.seq_len, "end", "truncate")
+    o = cfg.optim
+    sampler = StepSampler(len(items), dp, d.dp_rank if d else 0, o.micro_batch_size, o.grad_accum, cfg.seed)
+    global_idx = sampler.global_indices(0)
+    n_global = sum(sum(1 for x in items[i].labels[1:] if x != -100) for i in global_idx)
+
+    if mode == "ref":
+        model = build_model(cfg.model)
+        total = torch.zeros(())
+        for i in global_idx:
+            loss, _ = token_loss_sum(model, collate([items[i]], tok.pad_token_id))
+            total = total + loss
+        (total / n_global).backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        torch.save({"loss": (total / n_global).item(), "grads": grads}, out)
+        return
+
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from longsft.train.engine import build_ds_config, build_engine
+
+    ds_config = build_ds_config(cfg, stage, d.world_size, 64)
+    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841
+    engine = build_engine(cfg, build_model(cfg.model), ds_config, total_steps=10)
+    scale = backward_scale(n_global, engine.dp_world_size, o.grad_accum)
+    local = torch.zeros((), dtype=torch.float64)
+    micro = sampler.step(0)
+    grads = {}
+    for k, idx in enumerate(micro):
+        batch = collate([items[i] for i in idx], tok.pad_token_id)
+        loss, _ = token_loss_sum(engine, batch)
+        engine.backward(loss * scale)
+        local += loss.detach().double()
+        if k == len(micro) - 1:  # gradients of the whole step are reduced: read before the update
+            grads = {n: deepspeed.utils.safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+        engine.step()
+    torch.distributed.all_reduce(local)
+    if d.is_main:
+        torch.save({"loss": local.item() / n_global, "grads": grads}, out)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(args[0], args[1], args[2], args[3], int(args[4]), args[5:])

@@ -1,0 +1,108 @@
+"""Data schema, prompt rendering, answer-only labels, overflow policy, bad input."""
+
+import json
+
+import pytest
+
+from longsft.train.data import (IGNORE, StepSampler, collate, encode, load_samples, prompt_ids, render_prompt)
+from longsft.train.io import DataError
+
+REC = {"id": "x1", "language": "en", "article": "Arthur led 300 soldiers to Ravenford. " * 5,
+       "summary": "Arthur led 300 soldiers to Ravenford.", "gold_score": 2, "types": ["Numeric"],
+       "reason": "wrong number"}
+
+
+def write(path, recs):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)) + "\n" for r in recs))
+    return path
+
+
+def test_released_schema_is_accepted(tmp_path):
+    rec = {"id": "r1", "language": "zh", "article": "原文内容。", "summary": "摘要内容。",
+           "instruction": "请判断摘要是否存在幻觉。", "input": "原文内容。\n摘要：摘要内容。",
+           "output": '{"reason": "人物错误", "score": 1, "hallucination_types": ["实体", "事件"]}'}
+    s = load_samples(write(tmp_path / "d.jsonl", [rec]))[0]
+    assert s.gold_score == 1 and s.types == ["entity", "event"] and s.target == rec["output"]
+    assert render_prompt(s).startswith("请判断摘要是否存在幻觉。")
+
+
+def test_rich_schema_renders_paper_target(tmp_path):
+    s = load_samples(write(tmp_path / "d.jsonl", [REC]))[0]
+    assert json.loads(s.target) == {"reason": "wrong number", "score": 2, "hallucination_types": ["Numeric"]}
+    ok = load_samples(write(tmp_path / "e.jsonl", [dict(REC, gold_score=4, types=[])]))[0]
+    assert json.loads(ok.target) == {"score": 4, "reason": "wrong number"}
+
+
+@pytest.mark.parametrize("variant", ["end", "begin", "cot"])
+def test_prompt_variants(tmp_path, variant):
+    s = load_samples(write(tmp_path / "d.jsonl", [REC]))[0]
+    p = render_prompt(s, variant)
+    a, b = p.index("Original text:"), p.index("Summary:")
+    assert (a < b) == (variant != "begin")
+    assert ("step by step" in p) == (variant == "cot")
+
+
+def test_answer_only_labels(tmp_path, tokenizer):
+    s = load_samples(write(tmp_path / "d.jsonl", [REC]))[0]
+    e = encode(s, tokenizer, 4096)
+    p = prompt_ids(tokenizer, render_prompt(s))
+    assert e.input_ids[: len(p)] == p and e.prompt_len == len(p)
+    assert all(x == IGNORE for x in e.labels[: e.prompt_len])
+    answer = [x for x in e.labels if x != IGNORE]
+    assert tokenizer.decode(answer).startswith(s.target)
+    assert tokenizer.eos_token_id in answer  # the model learns to stop
+
+
+def test_collate_shifts_labels_before_any_split(tmp_path, tokenizer):
+    s = load_samples(write(tmp_path / "d.jsonl", [REC]))[0]
+    e = encode(s, tokenizer, 4096)
+    b = collate([e], tokenizer.pad_token_id, pad_to_multiple=8)
+    n = b["input_ids"].shape[1]
+    assert n % 8 == 0 and n >= len(e.input_ids)
+    assert b["shift_labels"][0, : len(e.labels) - 1].tolist() == e.labels[1:]
+    assert (b["shift_labels"][0, len(e.labels) - 1:] == IGNORE).all()
+    assert b["attention_mask"][0].sum() == len(e.input_ids)
+
+
+def test_overflow_truncates_article_middle_or_skips(tmp_path, tokenizer):
+    long = dict(REC, article=" ".join(f"Sentence number {i} of the long novel." for i in range(600)))
+    s = load_samples(write(tmp_path / "d.jsonl", [long]))[0]
+    e = encode(s, tokenizer, 1024, overflow="truncate")
+    assert e.truncated and len(e.input_ids) <= 1024
+    text = tokenizer.decode(e.input_ids[: e.prompt_len])
+    assert "Sentence number 0 " in text and "Sentence number 599 " in text  # head and tail kept
+    assert "Sentence number 300 " not in text and "middle of the text omitted" in text
+    assert s.summary in text  # the summary is never cut
+    assert encode(s, tokenizer, 1024, overflow="skip") is None
+
+
+@pytest.mark.parametrize("line, needle", [
+    ('{"id": "a", "language": "en", "article": "x", "summary": "y", "gold_score": 3', ":2: malformed JSON"),
+    ('{"id": "a", "language": "en", "article": "x", "gold_score": 3}', ":2: missing field 'summary'"),
+    ('{"id": "a", "language": "fr", "article": "x", "summary": "y", "gold_score": 3}', ":2: unknown language 'fr'"),
+    ('{"id": "a", "language": "en", "article": "x", "summary": "y", "gold_score": 7}', ":2: gold_score must be"),
+    ('{"id": "a", "language": "en", "article": "x", "summary": "y"}', ":2: needs 'gold_score' or 'output'"),
+    ('{"id": "a", "language": "en", "article": "x", "summary": "y", "output": "no json"}', ":2: field 'output'"),
+    ('{"id": "x1", "language": "en", "article": "x", "summary": "y", "gold_score": 3}', ":2: duplicate id 'x1'"),
+    ('[1, 2]', ":2: expected a JSON object"),
+])
+def test_bad_input_names_file_and_line(tmp_path, line, needle):
+    path = write(tmp_path / "bad.jsonl", [REC, line])
+    with pytest.raises(DataError) as e:
+        load_samples(path)
+    assert f"{path}{needle}" in str(e.value)
+
+
+def test_step_sampler_partitions_each_step_and_is_deterministic():
+    n, dp, micro, accum = 23, 2, 2, 2
+    samplers = [StepSampler(n, dp, r, micro, accum, seed=7) for r in range(dp)]
+    assert samplers[0].steps_per_epoch == 23 // 8
+    for step in range(6):
+        parts = [sum(s.step(step), []) for s in samplers]
+        assert sorted(parts[0] + parts[1]) == sorted(samplers[0].global_indices(step))
+        assert not set(parts[0]) & set(parts[1])
+    again = StepSampler(n, dp, 0, micro, accum, seed=7)
+    assert again.step(4) == samplers[0].step(4)
+    # each epoch covers distinct samples
+    epoch0 = sum((samplers[0].global_indices(s) for s in range(2)), [])
+    assert len(set(epoch0)) == len(epoch0)
