@@ -4,28 +4,12 @@
     torchrun --nproc_per_node=8 launch/curriculum.py recipe=qwen3_32b model.path=/models/Qwen3-32B
 
 Arguments are ``key=value`` overrides of the recipe (``recipe=`` picks it; default ``tiny``).
+A bad key, value or data file exits with status 2 and a message naming it, before any training.
 """
 
 import sys
-import warnings
 
-from longsft.train.cli import parse_run_args
-from longsft.train.config import ConfigError
-
-
-def main(argv: list[str]) -> int:
-    try:
-        cfg = parse_run_args(argv)
-    except ConfigError as e:
-        print(f"longsft: config error: {e}", file=sys.stderr)
-        return 2
-    # DeepSpeed still calls torch collectives that torch has deprecated; not actionable for users.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    from longsft.train.curriculum import run
-
-    run(cfg)
-    return 0
-
+from longsft.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["train", *sys.argv[1:]]))

@@ -9,7 +9,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 
 from .config import ConfigError, RunConfig, dump_yaml, load_config, validate
 from .io import DataError
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cmd == "train":
             cfg = parse_run_args(rest)
+            # DeepSpeed still calls torch collectives that torch deprecated; nothing a user can act on.
+            warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
             from .curriculum import run
 
             run(cfg)
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "data":
             return _data(rest)
     except (ConfigError, DataError) as e:
-        print(f"longsft: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
+            print(f"longsft: {e}", file=sys.stderr)
         return 2
     print(f"longsft: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2

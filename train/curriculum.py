@@ -79,17 +79,23 @@ def run(cfg: RunConfig) -> dict:
     """Run (or resume) the whole curriculum; returns the final state."""
     validate(cfg)
     d = distributed.init(cfg.parallel.sp_size)
+    if cfg.data.source == "files":
+        check_data(cfg)  # every rank, before the run directory is touched: bad data fails everywhere
     run_dir = cfg.run_path
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         check_resolved_config(cfg)
     d.barrier()
     state = load_state(cfg)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one to read
     tokenizer = build_tokenizer(cfg.model)
     if d.is_main:
         prepare_data(cfg, tokenizer)
     d.barrier()
-    check_data(cfg)  # every rank: bad data fails everywhere before any training
+    if cfg.data.source == "sample":
+        check_data(cfg)
     tracker = Tracker(run_dir, cfg.logging, d.is_main, to_dict(cfg))
 
     def save() -> None:

@@ -63,7 +63,8 @@ def _plots(run_dir: Path, records: list[dict], stages: list[str]) -> list[Path]:
             ax.plot([offset + r["step"] for r in tr], [r["loss"] for r in tr], label=name)
             offset += tr[-1]["step"]
     ax.set(xlabel="optimizer step (cumulative)", ylabel="train loss", title="Training loss by stage")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     fig.tight_layout()
     out.append(run_dir / "plots" / "loss.png")
     fig.savefig(out[-1], dpi=100)
@@ -75,7 +76,8 @@ def _plots(run_dir: Path, records: list[dict], stages: list[str]) -> list[Path]:
         if va:
             ax.plot([r["step"] for r in va], [r["balanced_accuracy"] for r in va], marker="o", label=name)
     ax.set(xlabel="step within stage", ylabel="validation balanced accuracy", title="Validation BA", ylim=(0, 1))
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     fig.tight_layout()
     out.append(run_dir / "plots" / "val_ba.png")
     fig.savefig(out[-1], dpi=100)

@@ -1,0 +1,164 @@
+"""The real curriculum on 2 ranks (ZeRO-3 + CPU offload, gloo): run dir, hand-off, resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, TEST_OVERRIDES, free_port, torchrun
+
+LAUNCH = str(ROOT / "launch" / "curriculum.py")
+# stage c trains with lr 0 from b's best: its output must be b's best, bit for bit
+HANDOFF = TEST_OVERRIDES[:-1] + [
+    TEST_OVERRIDES[-1][:-1] + ", {name: c, bucket: 1k, seq_len: 1024, max_steps: 1, lr: 0.0}]"]
+
+
+def _state(run_dir):
+    return json.loads((run_dir / "state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *HANDOFF])
+    return run_dir, r
+
+
+@pytest.mark.slow
+def test_run_directory_layout(finished_run):
+    run_dir, r = finished_run
+    state = _state(run_dir)
+    assert [s["status"] for s in state["stages"].values()] == ["done"] * 3
+    b = state["stages"]["b"]
+    assert b["steps_done"] == 4 and len(b["validations"]) == 2  # every_steps=2
+    for key in ("balanced_accuracy", "mcc", "invalid_rate"):
+        assert key in b["best"]
+    assert (run_dir / "config.yaml").exists() and (run_dir / "report.md").exists()
+    report = (run_dir / "report.md").read_text()
+    assert "| b | done | 4/4 |" in report
+    for png in ("plots/loss.png", "plots/val_ba.png"):
+        assert (run_dir / png).read_bytes()[:4] == b"\x89PNG"
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {m["kind"] for m in metrics} == {"train", "val"}
+    assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in metrics if m["kind"] == "train")
+    # best + last only: one resumable checkpoint per stage
+    for name in ("a", "b", "c"):
+        assert len(list((run_dir / "stages" / name / "ckpt").glob("step_*"))) == 1
+    # validation predictions are in `longsft score` format and score to the recorded metrics
+    preds = sorted((run_dir / "stages" / "b" / "val").glob("step_*.jsonl"))
+    assert len(preds) == 2
+    out = subprocess.run([sys.executable, "-m", "longsft.train.cli", "score", str(preds[-1]), "--out",
+                          str(run_dir / "rescored.json")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rescored = json.loads((run_dir / "rescored.json").read_text())
+    assert rescored["balanced_accuracy"] == pytest.approx(b["validations"][-1]["balanced_accuracy"])
+
+
+@pytest.mark.slow
+def test_best_model_loads_with_transformers(finished_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, _ = finished_run
+    path = _state(run_dir)["stages"]["b"]["best"]["path"]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok("hello", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == model.config.vocab_size
+
+
+@pytest.mark.slow
+def test_stage_starts_from_previous_best(finished_run):
+    run_dir, _ = finished_run
+    state = _state(run_dir)
+    assert state["stages"]["b"]["init_from"] == state["stages"]["a"]["best"]["path"]
+    assert state["stages"]["c"]["init_from"] == state["stages"]["b"]["best"]["path"]
+    b = load_file(run_dir / "stages" / "b" / "best" / "model.safetensors")
+    c = load_file(run_dir / "stages" / "c" / "best" / "model.safetensors")
+    a = load_file(run_dir / "stages" / "a" / "best" / "model.safetensors")
+    assert all(torch.equal(b[k], c[k]) for k in b)  # lr 0: c's weights are b's best
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # b did train
+
+
+@pytest.mark.slow
+def test_rerun_resumes_instead_of_retraining(finished_run):
+    run_dir, _ = finished_run
+    before = _state(run_dir)
+    ckpt = next((run_dir / "stages" / "b" / "ckpt").glob("step_*"))
+    mtime = ckpt.stat().st_mtime
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *HANDOFF])
+    assert r.stdout.count("done, skipping") == 3
+    after = _state(run_dir)
+    for name in ("a", "b", "c"):
+        assert after["stages"][name]["best"] == before["stages"][name]["best"]
+    assert ckpt.stat().st_mtime == mtime
+
+
+def _losses(run_dir, stage):
+    recs = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if m["stage"] == stage:
+            recs[(m["kind"], m["step"])] = m
+    return recs
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_result(tmp_path):
+    """SIGKILL the whole job after a mid-stage checkpoint; rerunning ends exactly like an uninterrupted run."""
+    over = TEST_OVERRIDES[:-1] + ["stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 8, every_steps: 4, "
+                                  "save_every_steps: 2}]"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    torchrun([LAUNCH, "recipe=tiny", f"run_dir={ref_dir}", *over])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    marker = run_dir / "stages" / "a" / "ckpt" / "step_0000002" / "manifest.json"
+    deadline = time.time() + 300
+    while not marker.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    state = _state(run_dir)
+    assert state["stages"]["a"]["status"] == "running" and state["stages"]["a"]["steps_done"] < 8
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
+    assert "resumed from" in r.stdout
+    ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
+    assert set(ref) == set(got)
+    for key, m in ref.items():
+        if key[0] == "train":
+            assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key
+        else:
+            assert got[key]["balanced_accuracy"] == m["balanced_accuracy"]
+            assert got[key]["val_loss"] == pytest.approx(m["val_loss"], rel=1e-6)
+    assert _state(run_dir)["stages"]["a"]["best"]["step"] == _state(ref_dir)["stages"]["a"]["best"]["step"]
+
+
+@pytest.mark.slow
+def test_bad_data_fails_fast_and_overwrites_nothing(tmp_path):
+    data = tmp_path / "d" / "512"
+    data.mkdir(parents=True)
+    good = json.dumps({"id": "1", "language": "en", "article": "a", "summary": "b", "gold_score": 4})
+    (data / "train.jsonl").write_text(good + "\n" + '{"id": "2", "language": "en", "article": \n')
+    (data / "validation.jsonl").write_text(good + "\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "state.json").write_text("SENTINEL")
+    t0 = time.time()
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", "data.source=files",
+                  f"data.train_file={tmp_path}/d/{{bucket}}/train.jsonl",
+                  f"data.validation_file={tmp_path}/d/{{bucket}}/validation.jsonl",
+                  "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"], check=False)
+    assert r.returncode != 0
+    assert f"{data / 'train.jsonl'}:2: malformed JSON" in r.stderr
+    assert r.stderr.count("malformed JSON") == 1  # said once, not once per rank
+    assert time.time() - t0 < 120
+    assert (run_dir / "state.json").read_text() == "SENTINEL"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["state.json"]
