@@ -396,6 +396,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("optim.micro_batch_size and optim.grad_accum must be >= 1")
     if cfg.parallel.sp_size < 1:
         raise ConfigError("parallel.sp_size must be >= 1")
+    if cfg.parallel.sp_size > 1:
+        raise ConfigError("parallel.sp_size > 1: sequence parallelism is not built yet; use sp_size=1")
 
 
 def to_dict(cfg: Any) -> Any:

@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  `make demo` (the tiny curriculum)  and  `make test`.
+# Both create .venv and install everything on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU wheel here; on a GPU machine install your CUDA build of torch first, or set TORCH_SPEC.
+TORCH_SPEC ?= torch==2.13.0
+NPROC ?= 2
+export LONGSFT_CACHE ?= $(CURDIR)/.cache/longsft
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: install demo test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: install
+	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/curriculum.py recipe=tiny $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+bench: install
+	$(PY) bench/tiny_curriculum.py
+
+clean:
+	rm -rf runs .cache
