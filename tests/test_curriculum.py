@@ -162,3 +162,20 @@ def test_bad_data_fails_fast_and_overwrites_nothing(tmp_path):
     assert time.time() - t0 < 120
     assert (run_dir / "state.json").read_text() == "SENTINEL"
     assert sorted(p.name for p in run_dir.iterdir()) == ["state.json"]
+
+
+@pytest.mark.slow
+def test_one_process_bf16_zero2_with_offline_wandb(tmp_path):
+    """`python launch/curriculum.py` (a world of one), bf16, ZeRO-2, wandb offline: no network needed."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", "model.dtype=bf16", "deepspeed.config=zero2",
+                  "logging.wandb=true", *TEST_OVERRIDES[:-1],
+                  "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"], nproc=1,
+                 env={"WANDB_MODE": "offline"})
+    state = _state(run_dir)
+    assert state["stages"]["a"]["status"] == "done"
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    model = AutoModelForCausalLM.from_pretrained(state["stages"]["a"]["best"]["path"])
+    assert model.dtype == torch.bfloat16
