@@ -54,3 +54,41 @@ def torchrun(script_args: list[str], nproc: int = 2, timeout: int = 600, env: di
 TEST_OVERRIDES = ["data.sample_size=4", "validation.max_new_tokens=16", "logging.progress=false",
                   "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 4, validate: false},"
                   " {name: b, bucket: 1k, seq_len: 1024, max_steps: 4, every_steps: 2}]"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: a saved tiny random model of an HF architecture (qwen3 or llama), built once each."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    made = {}
+
+    def make(arch: str = "qwen3"):
+        if arch not in made:
+            out = tmp_path_factory.mktemp(f"model_{arch}")
+            extra = {"head_dim": 16} if arch == "qwen3" else {}
+            cfg = AutoConfig.for_model(arch, vocab_size=151936, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       tie_word_embeddings=True, **extra)
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+            made[arch] = out
+        return made[arch]
+
+    return make
+
+
+def compare_steps(ref_path, got_path, rel_loss=1e-6, rel_grad=1e-5):
+    """Assert two step_grads.py outputs agree: loss and every parameter gradient."""
+    import torch
+
+    a, b = torch.load(ref_path), torch.load(got_path)
+    assert b["loss"] == pytest.approx(a["loss"], rel=rel_loss)
+    assert set(a["grads"]) == set(b["grads"])
+    worst = 0.0
+    for name, g in a["grads"].items():
+        err = ((b["grads"][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert err < rel_grad, f"{name}: relative gradient error {err:.2e}"
+        worst = max(worst, err)
+    return worst

@@ -68,6 +68,7 @@ class ParallelConfig:
     """Parallel degrees. ``sp_size`` ranks share one sequence; the rest is data parallel."""
 
     sp_size: int = 1
+    # torch: zigzag ring attention on PyTorch's fused kernels (CPU and GPU, no flash-attn needed)
     sp_backend: Literal["torch", "ring_flash_attn", "ulysses"] = "torch"
 
 
@@ -396,8 +397,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("optim.micro_batch_size and optim.grad_accum must be >= 1")
     if cfg.parallel.sp_size < 1:
         raise ConfigError("parallel.sp_size must be >= 1")
-    if cfg.parallel.sp_size > 1:
-        raise ConfigError("parallel.sp_size > 1: sequence parallelism is not built yet; use sp_size=1")
+    from .sequence_parallel import check_backend
+
+    check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size)
 
 
 def to_dict(cfg: Any) -> Any:

@@ -21,11 +21,11 @@ from .data import IGNORE
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Sum of token cross-entropies (fp32) and the number of target tokens in ``batch``.
 
-    batch: input_ids, attention_mask, position_ids, shift_labels — each [batch, seq].
+    batch: input_ids, position_ids, shift_labels (+ attention_mask unless sequence-sharded) — [batch, seq].
     """
     targets = batch["shift_labels"]
     keep = targets != IGNORE  # [batch, seq]
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                 position_ids=batch["position_ids"], logits_to_keep=keep, use_cache=False)
     logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [n_targets, vocab]
     loss = F.cross_entropy(logits, targets[keep], reduction="sum")

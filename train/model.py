@@ -95,8 +95,10 @@ def torch_dtype(cfg: ModelConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
-def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42):
+def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, sp_size: int = 1):
     """Load (``init_from`` or ``cfg.path``) or build from ``cfg.config`` a causal LM for training.
+
+    With ``sp_size > 1`` attention runs through longsft's sequence-parallel registry entry.
 
     Call inside ``HfDeepSpeedConfig``'s lifetime for ZeRO-3, so large weights load partitioned.
     """
@@ -104,7 +106,12 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42):
 
     hf = build_hf_config(cfg, init_from)
     source = init_from or cfg.path
-    kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=cfg.attn_implementation,
+    attn = cfg.attn_implementation
+    if sp_size > 1:
+        from .sequence_parallel import ATTN_NAME
+
+        attn = ATTN_NAME
+    kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=attn,
                                   trust_remote_code=cfg.trust_remote_code)
     if source is not None:
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)

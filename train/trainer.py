@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, sequence_parallel
 from .config import ConfigError, RunConfig, StageConfig
-from .data import StepSampler, collate, encode_all, load_samples
+from .data import Encoded, StepSampler, collate, encode_all, load_samples
 from .distributed import Dist
 from .engine import build_ds_config, build_engine
 from .io import write_jsonl
@@ -20,6 +20,14 @@ from .loss import backward_scale, token_loss_sum
 from .model import build_hf_config, build_model
 from .tracker import Tracker, peak_memory_gb
 from .validation import is_better, run_validation
+
+
+def make_batch(items: list[Encoded], pad_id: int, d: Dist) -> tuple[dict[str, torch.Tensor], int]:
+    """Collate ``items`` and keep this rank's part of the sequence; returns (batch, real tokens)."""
+    batch = collate(items, pad_id)
+    tokens = int(batch["attention_mask"].sum())
+    batch = sequence_parallel.shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id)
+    return {k: v.to(d.device) for k, v in batch.items()}, tokens
 
 
 def stage_files(cfg: RunConfig, stage: StageConfig) -> tuple[Path, Path]:
@@ -83,7 +91,7 @@ class StageTrainer:
         self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
         # Alive while the model is built: ZeRO-3 partitions weights as they load.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841
-        model = build_model(self.cfg.model, self.init_from, self.cfg.seed)
+        model = build_model(self.cfg.model, self.init_from, self.cfg.seed, self.d.dims.sp_size)
         self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps)
 
     # ------------------------------------------------------------------ loop
@@ -141,13 +149,15 @@ class StageTrainer:
         scale = backward_scale(n_global, self.engine.dp_world_size, self.cfg.optim.grad_accum)
         loss_sum, tokens = torch.zeros((), dtype=torch.float64), 0
         for idx in micro:
-            batch = {k: v.to(self.d.device) for k, v in collate([self.train[i] for i in idx], self.pad_id).items()}
-            loss, _ = token_loss_sum(self.engine, batch)
-            self.engine.backward(loss * scale)
+            batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d)
+            with sequence_parallel.active():
+                loss, _ = token_loss_sum(self.engine, batch)
+                self.engine.backward(loss * scale)
             self.engine.step()
             loss_sum += loss.detach().double().cpu()
-            tokens += int(batch["attention_mask"].sum())
-        stats = torch.tensor([loss_sum.item(), tokens], dtype=torch.float64)
+            tokens += n_tokens
+        # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
+        stats = torch.tensor([loss_sum.item(), tokens if self.d.sp_rank == 0 else 0], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(stats)
         dt = time.time() - t0

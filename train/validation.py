@@ -22,10 +22,15 @@ from .loss import token_loss_sum
 
 
 def _shard(items: list, d: Dist) -> list[tuple[int, bool]]:
-    """(index, is_real) for this rank; every rank gets the same count (dummies repeat item 0)."""
+    """(index, counts) for this rank; every rank gets the same number of items (dummies repeat item 0).
+
+    Validation runs on whole sequences: the ranks of a sequence-parallel group process the same
+    items, and only SP rank 0's results count.
+    """
     per_rank = math.ceil(len(items) / d.dims.dp_size)
     mine = list(range(d.dp_rank, len(items), d.dims.dp_size))
-    return [(i, True) for i in mine] + [(0, False)] * (per_rank - len(mine))
+    lead = d.sp_rank == 0
+    return [(i, lead) for i in mine] + [(0, False)] * (per_rank - len(mine))
 
 
 @torch.no_grad()

@@ -3,7 +3,8 @@
     python  tests/dist/step_grads.py ref MODEL DATA OUT DP [key=value ...]   # one process, plain torch
     torchrun --nproc_per_node=N tests/dist/step_grads.py ds MODEL DATA OUT DP [key=value ...]
 
-DP is the data-parallel degree whose global batch both modes use.
+DP is the data-parallel degree whose global batch both modes use; ``parallel.sp_size=2`` in the
+overrides splits each sequence over 2 ranks (so N = DP * sp).
 
 ``ds`` runs the trainer's own pieces (DeepSpeed config, engine, StepSampler, loss scaling);
 ``ref`` computes the global token-mean loss of the same global batch in one process.
@@ -17,13 +18,15 @@ import torch
 def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
     from longsft.train import distributed
 
-    d = distributed.init(1) if mode == "ds" else None
     from longsft.train.config import load_config
+
+    from longsft.train import sequence_parallel
     from longsft.train.data import StepSampler, collate, encode_all, load_samples
     from longsft.train.loss import backward_scale, token_loss_sum
     from longsft.train.model import build_model, build_tokenizer
 
     cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", *overrides])
+    d = distributed.init(cfg.parallel.sp_size) if mode == "ds" else None
     stage = cfg.stages[0]
     tok = build_tokenizer(cfg.model)
     items, _ = encode_all(load_samples(data), tok, stage.seq_len, "end", "truncate")
@@ -47,18 +50,20 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     from transformers.integrations import HfDeepSpeedConfig
 
     from longsft.train.engine import build_ds_config, build_engine
+    from longsft.train.trainer import make_batch
 
     ds_config = build_ds_config(cfg, stage, d.world_size, 64)
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    engine = build_engine(cfg, build_model(cfg.model), ds_config, total_steps=10)
+    engine = build_engine(cfg, build_model(cfg.model, sp_size=cfg.parallel.sp_size), ds_config, total_steps=10)
     scale = backward_scale(n_global, engine.dp_world_size, o.grad_accum)
     local = torch.zeros((), dtype=torch.float64)
     micro = sampler.step(0)
     grads = {}
     for k, idx in enumerate(micro):
-        batch = collate([items[i] for i in idx], tok.pad_token_id)
-        loss, _ = token_loss_sum(engine, batch)
-        engine.backward(loss * scale)
+        batch, _ = make_batch([items[i] for i in idx], tok.pad_token_id, d)
+        with sequence_parallel.active():
+            loss, _ = token_loss_sum(engine, batch)
+            engine.backward(loss * scale)
         local += loss.detach().double()
         if k == len(micro) - 1:  # gradients of the whole step are reduced: read before the update
             grads = {n: deepspeed.utils.safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}

@@ -1,0 +1,56 @@
+"""Zigzag ring attention on N ranks vs full causal attention on the gathered sequence.
+
+    torchrun --nproc_per_node=N tests/dist/ring_attention.py OUT.json
+
+Writes the max relative error of the output and of dQ/dK/dV per (dtype, seq_len, heads) case.
+"""
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def main(out_path: str) -> None:
+    from longsft.train import distributed, sequence_parallel as sp
+
+    d = distributed.init(int(__import__("os").environ["WORLD_SIZE"]))
+    n = d.world_size
+    results = []
+    cases = [(torch.float32, 8 * n, 4, 4), (torch.float32, 24 * n, 4, 2), (torch.float32, 2 * n, 2, 1),
+             (torch.bfloat16, 32 * n, 4, 2)]
+    for dtype, seq, heads, kv_heads in cases:
+        g = torch.Generator().manual_seed(seq * 31 + heads)
+        q = torch.randn(1, heads, seq, 16, generator=g)
+        k = torch.randn(1, kv_heads, seq, 16, generator=g)
+        v = torch.randn(1, kv_heads, seq, 16, generator=g)
+        dout = torch.randn(1, heads, seq, 16, generator=g)
+        # reference: one process, the whole sequence, in fp32
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        rep = heads // kv_heads
+        ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1),
+                                             is_causal=True)
+        ref.backward(dout)
+        idx = sp.zigzag_index(seq, n, d.sp_rank)
+        ql, kl, vl = (t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v))
+        with sp.active():
+            out = sp.zigzag_ring_attention(ql, kl, vl)
+        out.backward(dout[:, :, idx].to(dtype))
+        errs = {"out": rel(out, ref[:, :, idx].detach()), "dq": rel(ql.grad, qr.grad[:, :, idx]),
+                "dk": rel(kl.grad, kr.grad[:, :, idx]), "dv": rel(vl.grad, vr.grad[:, :, idx])}
+        worst = distributed.all_gather_objects(errs)
+        results.append({"dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
+                        **{k: max(w[k] for w in worst) for k in errs}})
+    if d.is_main:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,245 @@
+"""Sequence parallelism: one sequence split over the ``sp_size`` ranks of an SP group.
+
+Data path (:func:`shard_batch`): a collated batch (labels already shifted, position_ids already
+built) is padded to a multiple of ``2 * sp_size`` and split in the zigzag layout: the sequence is
+cut into ``2 * sp`` chunks and SP rank ``r`` holds chunks ``r`` and ``2*sp - 1 - r``, which gives
+every rank the same amount of causal attention work.
+
+Attention (:func:`zigzag_ring_attention`): the ``torch`` backend. K/V blocks travel around the
+ring; each block is attended with PyTorch's own fused kernel that also returns the log-sum-exp
+(``aten::_scaled_dot_product_flash_attention_for_cpu`` on CPU, ``..._flash_attention`` on CUDA),
+and the partial outputs are merged with their log-sum-exp in fp32. The backward pass is our
+own: each block's gradient is computed by the kernel's backward with the *final* output and
+log-sum-exp, dQ stays local and dK/dV travel around the ring back to their owner. We implement the
+ring rather than reuse ring-flash-attn's because its ring/zigzag backward was seen wrong in fp32
+on CPU, and because its import needs the flash-attn package that neither CPU machines nor our GPU
+image have; this version is right in fp32 and bf16 (tests/test_sequence_parallel.py).
+
+The attention is registered in transformers' attention registry under ``longsft_sp``; no
+transformers function is patched. Outside :func:`active` (e.g. ``generate`` in validation) it is
+plain SDPA over an unsplit sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+ATTN_NAME = "longsft_sp"
+BACKENDS = ("torch", "ring_flash_attn", "ulysses")
+
+
+@dataclass
+class _State:
+    group: object = None
+    size: int = 1
+    rank: int = 0
+    ranks: tuple[int, ...] = ()
+    active: bool = False
+
+
+_SP = _State()
+
+
+def check_backend(backend: str, sp_size: int) -> None:
+    """Fail at start-up, with the fix, for a backend that cannot run here."""
+    if sp_size == 1 or backend == "torch":
+        return
+    if backend == "ring_flash_attn":
+        raise ConfigError("parallel.sp_backend=ring_flash_attn is not built yet (it needs the flash-attn package "
+                          "on GPUs); use parallel.sp_backend=torch, the same zigzag ring on PyTorch's fused kernels")
+    if backend == "ulysses":
+        raise ConfigError("parallel.sp_backend=ulysses is not built yet; use parallel.sp_backend=torch")
+    raise ConfigError(f"unknown parallel.sp_backend {backend!r}; one of {list(BACKENDS)}")
+
+
+def setup(group, ranks: list[int], rank: int) -> None:
+    """Remember this rank's SP group and register the attention function (idempotent)."""
+    from transformers import AttentionInterface
+
+    _SP.group, _SP.ranks, _SP.size, _SP.rank = group, tuple(ranks), len(ranks), ranks.index(rank)
+    AttentionInterface.register(ATTN_NAME, sp_attention_forward)
+
+
+@contextlib.contextmanager
+def active(enabled: bool = True):
+    """Inside: attention layers expect zigzag-sharded sequences and run the ring."""
+    prev, _SP.active = _SP.active, enabled and _SP.size > 1
+    try:
+        yield
+    finally:
+        _SP.active = prev
+
+
+# --------------------------------------------------------------------------- data
+
+
+def zigzag_index(seq_len: int, sp_size: int, sp_rank: int) -> torch.Tensor:
+    """Positions held by ``sp_rank``: chunks r and 2*sp-1-r of ``2*sp`` equal chunks. [seq_len / sp]"""
+    c = seq_len // (2 * sp_size)
+    first = torch.arange(sp_rank * c, (sp_rank + 1) * c)
+    second = torch.arange((2 * sp_size - 1 - sp_rank) * c, (2 * sp_size - sp_rank) * c)
+    return torch.cat([first, second])
+
+
+def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Pad ``[batch, seq]`` tensors to a multiple of 2*sp and keep this rank's zigzag part.
+
+    Labels were shifted before this split (each position carries its own next-token target) and
+    position_ids were built on the whole sequence, so RoPE and the loss need no communication.
+    Padding goes at the end; causal attention never lets a real token see it, so the attention
+    mask is dropped.
+    """
+    if sp_size == 1:
+        return batch
+    n = batch["input_ids"].shape[1]
+    target = -(-n // (2 * sp_size)) * (2 * sp_size)
+    fill = {"input_ids": pad_id, "shift_labels": -100, "attention_mask": 0}
+    out = {}
+    idx = zigzag_index(target, sp_size, sp_rank)
+    for key, t in batch.items():
+        if target > n:
+            if key == "position_ids":
+                extra = t[:, -1:] + torch.arange(1, target - n + 1)
+            else:
+                extra = torch.full((t.shape[0], target - n), fill[key], dtype=t.dtype)
+            t = torch.cat([t, extra], dim=1)
+        out[key] = t[:, idx]
+    out.pop("attention_mask")
+    return out
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _block_fwd(q, k, v, causal: bool, scale: float):
+    """One block: out [b, h, s, d], lse [b, h, s] (fp32)."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+        return r[0], r[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse
+
+
+def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients of one block given the *final* ``out`` and ``lse`` of the full attention row."""
+    if q.is_cuda:
+        empty = torch.empty(0, device=q.device, dtype=torch.int32)
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _merge(out, lse, blk_out, blk_lse):
+    """Combine two partial softmax-attentions by their log-sum-exp (fp32). out [b,h,s,d], lse [b,h,s]."""
+    new = torch.logaddexp(lse, blk_lse)
+    out = out * torch.exp(lse - new).unsqueeze(-1) + blk_out.float() * torch.exp(blk_lse - new).unsqueeze(-1)
+    return out, new
+
+
+def _ring_pass(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Send to the next SP rank, receive from the previous one."""
+    nxt = _SP.ranks[(_SP.rank + 1) % _SP.size]
+    prv = _SP.ranks[(_SP.rank - 1) % _SP.size]
+    recv = [torch.empty_like(t) for t in tensors]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, _SP.group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, prv, _SP.group) for r in recv]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return recv
+
+
+def _plan(step: int):
+    """Which rows/keys of this step's block take part, for the zigzag layout.
+
+    Returns (query rows, key part, causal): rows ``all``/``second``, keys ``all``/``first``.
+    """
+    src = (_SP.rank - step) % _SP.size
+    if step == 0:
+        return "all", "all", True  # own chunks: causal over [r ; 2sp-1-r], which is in order
+    if src < _SP.rank:
+        return "all", "first", False  # an earlier chunk src: every local query sees it, not its late twin
+    return "second", "all", False  # a later rank: only our late chunk sees both of its chunks
+
+
+class _ZigzagRing(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        # q [b, h, s, d]; k, v [b, hk, s, d]; s = 2c (two zigzag chunks)
+        groups = q.shape[1] // k.shape[1]
+        c = q.shape[2] // 2
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kc, vc = k, v
+        for step in range(_SP.size):
+            rows, keys, causal = _plan(step)
+            kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
+            vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
+            if keys == "first":
+                kk, vv = kk[:, :, :c], vv[:, :, :c]
+            qs = slice(c, None) if rows == "second" else slice(None)
+            blk_out, blk_lse = _block_fwd(q[:, :, qs], kk, vv, causal, scale)
+            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
+            if step < _SP.size - 1:
+                kc, vc = _ring_pass([kc, vc])
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, groups, c = ctx.scale, q.shape[1] // k.shape[1], q.shape[2] // 2
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        kc, vc = k, v
+        for step in range(_SP.size):
+            rows, keys, causal = _plan(step)
+            kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
+            vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
+            ks = slice(None, c) if keys == "first" else slice(None)
+            qs = slice(c, None) if rows == "second" else slice(None)
+            dq_b, dk_b, dv_b = _block_bwd(dout[:, :, qs], q[:, :, qs].contiguous(), kk[:, :, ks].contiguous(),
+                                          vv[:, :, ks].contiguous(), out[:, :, qs].contiguous(),
+                                          lse[:, :, qs].contiguous(), causal, scale)
+            dq[:, :, qs] += dq_b.float()
+            if groups > 1:  # fold the repeated heads back onto their KV head
+                dk_b = dk_b.unflatten(1, (-1, groups)).sum(2)
+                dv_b = dv_b.unflatten(1, (-1, groups)).sum(2)
+            dk_acc[:, :, ks] += dk_b.float()
+            dv_acc[:, :, ks] += dv_b.float()
+            if step < _SP.size - 1:
+                kc, vc = _ring_pass([kc, vc])
+            dk_acc, dv_acc = _ring_pass([dk_acc, dv_acc])  # after the last pass they are home
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None
+
+
+def zigzag_ring_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of zigzag-sharded q/k/v across the SP group. [b, h, s_local, d] -> same."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+
+
+def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                         scaling: float | None = None, **kwargs):
+    """transformers attention interface: query [b, h, s, d] -> output [b, s, h, d], no weights."""
+    if not _SP.active:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("sequence-parallel attention does not support attention dropout")
+    out = zigzag_ring_attention(query, key, value, scaling)
+    return out.transpose(1, 2).contiguous(), None
