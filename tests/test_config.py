@@ -25,6 +25,7 @@ def test_paper_recipes_carry_the_paper_settings():
         assert cfg.optim.lr == 5e-6 and cfg.optim.scheduler == "cosine" and cfg.optim.warmup_steps == 0
         assert cfg.seed == 42 and cfg.model.dtype == "bf16" and cfg.model.gradient_checkpointing
         assert cfg.deepspeed.config == "zero3_offload"
+        assert cfg.parallel.sp_size == 8 and cfg.parallel.sp_backend == "torch"
         assert [s.bucket for s in cfg.stages] == ["2k", "16k", "32k", "64k", "100k"]
         assert cfg.stages[0].max_steps == 100 and all(s.epochs == 2 for s in cfg.stages[1:])
     # each model gets its own rope scaling (the reference script gave Llama Qwen's)

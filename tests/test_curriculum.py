@@ -171,6 +171,7 @@ def test_one_process_bf16_zero2_with_offline_wandb(tmp_path):
 
     run_dir = tmp_path / "run"
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", "model.dtype=bf16", "deepspeed.config=zero2",
+                  "parallel.sp_size=1",
                   "logging.wandb=true", *TEST_OVERRIDES[:-1],
                   "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"], nproc=1,
                  env={"WANDB_MODE": "offline"})

@@ -1,4 +1,4 @@
-"""Sequence parallelism (zigzag ring attention, `torch` backend) equals one process.
+"""Sequence parallelism (`torch` zigzag ring and `ulysses` backends) equals one process.
 
 Attention level: output and dQ/dK/dV on 2 and 4 ranks vs full causal attention, fp32 and bf16.
 Model level: tiny Qwen3 and tiny Llama under ZeRO-3, sp=2 vs one process on the same global
@@ -15,7 +15,7 @@ from conftest import ROOT, TEST_OVERRIDES, compare_steps, torchrun
 from longsft.train.config import ConfigError, load_config, validate
 from longsft.train.data import IGNORE, Encoded, Sample, collate
 from longsft.train.distributed import ParallelDims
-from longsft.train.sequence_parallel import shard_batch, zigzag_index
+from longsft.train.sequence_parallel import check_heads, shard_batch, zigzag_index
 
 STEP = str(ROOT / "tests" / "dist" / "step_grads.py")
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
@@ -48,12 +48,17 @@ def test_parallel_degrees_are_checked():
         ParallelDims(6, 4)
 
 
-@pytest.mark.parametrize("backend, needle", [("ring_flash_attn", "needs the flash-attn package"),
-                                             ("ulysses", "not built yet")])
-def test_unavailable_backends_fail_at_startup(backend, needle):
-    cfg = load_config("tiny", ["parallel.sp_size=2", f"parallel.sp_backend={backend}"])
-    with pytest.raises(ConfigError, match=needle):
+def test_unavailable_backend_fails_at_startup():
+    cfg = load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn"])
+    with pytest.raises(ConfigError, match="needs the flash-attn package"):
         validate(cfg)
+
+
+def test_ulysses_head_count_is_checked():
+    check_heads("ulysses", 4, 32, 8)
+    check_heads("torch", 3, 32, 8)  # the ring has no head constraint
+    with pytest.raises(ConfigError, match="splits the model's 4 attention heads over sp_size=3"):
+        check_heads("ulysses", 3, 4, 2)
 
 
 @pytest.mark.slow
@@ -61,21 +66,24 @@ def test_unavailable_backends_fail_at_startup(backend, needle):
 def test_ring_attention_equals_full_attention(tmp_path, nproc):
     out = tmp_path / "errs.json"
     torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc)
-    for case in json.loads(out.read_text()):
+    cases = json.loads(out.read_text())
+    assert {c["backend"] for c in cases} == {"torch", "ulysses"}
+    for case in cases:
         tol = 1e-5 if case["dtype"] == "torch.float32" else 2e-2  # bf16: rounding of inputs/outputs
         for key in ("out", "dq", "dk", "dv"):
             assert case[key] < tol, case
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir, arch):
+@pytest.mark.parametrize("arch, backend", [("qwen3", "torch"), ("llama", "torch"), ("qwen3", "ulysses")])
+def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir, arch, backend):
     model = str(tiny_model_dir(arch))
     data = str(sample_dir / "1k" / "train.jsonl")  # odd lengths: padding to 2*sp is exercised
     common = ["optim.grad_accum=2", "deepspeed.config=zero3_offload", "stages.0.seq_len=1024"]
     ref, got = tmp_path / "ref.pt", tmp_path / "sp.pt"
     torchrun([STEP, "ref", model, data, str(ref), "1", *common], nproc=1)
-    torchrun([STEP, "ds", model, data, str(got), "1", *common, "parallel.sp_size=2"], nproc=2)
+    torchrun([STEP, "ds", model, data, str(got), "1", *common, "parallel.sp_size=2",
+              f"parallel.sp_backend={backend}"], nproc=2)
     compare_steps(ref, got)
 
 
@@ -95,7 +103,7 @@ def test_three_step_trajectory_matches(tmp_path):
     """The real trainer: sp=2 on 2 ranks vs one process, same global batches, three steps."""
     over = TEST_OVERRIDES[:-1] + ["optim.grad_accum=2", "deepspeed.config=zero3",
                                   "stages=[{name: a, bucket: 1k, seq_len: 1024, max_steps: 3, validate: false}]"]
-    torchrun([LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'one'}", *over], nproc=1)
+    torchrun([LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'one'}", *over, "parallel.sp_size=1"], nproc=1)
     torchrun([LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'sp'}", *over, "parallel.sp_size=2"], nproc=2)
 
     def losses(run):
@@ -104,6 +112,14 @@ def test_three_step_trajectory_matches(tmp_path):
     one, sp = losses("one"), losses("sp")
     assert len(one) == len(sp) == 3
     assert sp == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_ulysses_heads_not_divisible_is_a_clear_error(tmp_path):
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'r'}", "parallel.sp_size=3",
+                  "parallel.sp_backend=ulysses", *TEST_OVERRIDES], nproc=3, check=False, timeout=120)
+    assert r.returncode != 0 and "splits the model's 4 attention heads over sp_size=3" in r.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

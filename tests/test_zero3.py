@@ -17,7 +17,8 @@ SCRIPT = str(ROOT / "tests" / "dist" / "step_grads.py")
 def test_two_rank_step_equals_single_process(tmp_path, tiny_model_dir, sample_dir, ds_config):
     tiny_model_dir = tiny_model_dir("qwen3")
     data = str(sample_dir / "512" / "train.jsonl")
-    common = ["optim.grad_accum=2", f"deepspeed.config={ds_config}", "model.gradient_checkpointing=true"]
+    common = ["optim.grad_accum=2", f"deepspeed.config={ds_config}", "model.gradient_checkpointing=true",
+              "parallel.sp_size=1"]  # 2 data-parallel ranks
     ref, ds = tmp_path / "ref.pt", tmp_path / "ds.pt"
     torchrun([SCRIPT, "ref", str(tiny_model_dir), data, str(ref), "2", *common], nproc=1)
     torchrun([SCRIPT, "ds", str(tiny_model_dir), data, str(ds), "2", *common], nproc=2)

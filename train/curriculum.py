@@ -63,6 +63,16 @@ def prepare_data(cfg: RunConfig, tokenizer) -> None:
                       cfg.data.seed)
 
 
+def check_model(cfg: RunConfig) -> None:
+    """Checks that need only the model's config (no weights): head counts against the SP backend."""
+    from .model import build_hf_config
+    from .sequence_parallel import check_heads
+
+    hf = build_hf_config(cfg.model)
+    check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
+                getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+
+
 def check_data(cfg: RunConfig) -> None:
     """Parse every stage's data files up front so a bad line fails before hours of training."""
     from .data import load_samples
@@ -78,7 +88,8 @@ def check_data(cfg: RunConfig) -> None:
 def run(cfg: RunConfig) -> dict:
     """Run (or resume) the whole curriculum; returns the final state."""
     validate(cfg)
-    d = distributed.init(cfg.parallel.sp_size)
+    check_model(cfg)
+    d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
     if cfg.data.source == "files":
         check_data(cfg)  # every rank, before the run directory is touched: bad data fails everywhere
     run_dir = cfg.run_path

@@ -87,7 +87,7 @@ def setup_env() -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
 
 
-def init(sp_size: int, timeout_s: int = 1800) -> Dist:
+def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist:
     """Initialise torch.distributed (NCCL on GPUs, gloo on CPU) and the dp/sp groups."""
     setup_env()
     world = int(os.environ["WORLD_SIZE"])
@@ -119,7 +119,7 @@ def init(sp_size: int, timeout_s: int = 1800) -> Dist:
     if sp_size > 1:
         from . import sequence_parallel
 
-        sequence_parallel.setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank)
+        sequence_parallel.setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
     return d
 
 

@@ -47,39 +47,42 @@ def write_report(run_dir: Path, state: dict) -> None:
     atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")
 
 
+def _series(records: list[dict], stage: str, kind: str) -> list[dict]:
+    return sorted((r for r in records if r["stage"] == stage and r["kind"] == kind), key=lambda r: r["step"])
+
+
 def _plots(run_dir: Path, records: list[dict], stages: list[str]) -> list[Path]:
+    """plots/loss.png (train loss, stages end to end) and plots/val_ba.png (validation BA per stage)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out = []
     (run_dir / "plots").mkdir(exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    offset = 0
+    offsets, offset = {}, 0
     for name in stages:
-        tr = sorted((r for r in records if r["stage"] == name and r["kind"] == "train"), key=lambda r: r["step"])
-        if tr:
-            ax.plot([offset + r["step"] for r in tr], [r["loss"] for r in tr], label=name)
-            offset += tr[-1]["step"]
-    ax.set(xlabel="optimizer step (cumulative)", ylabel="train loss", title="Training loss by stage")
-    if ax.lines:
-        ax.legend()
-    fig.tight_layout()
-    out.append(run_dir / "plots" / "loss.png")
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for name in stages:
-        va = sorted((r for r in records if r["stage"] == name and r["kind"] == "val"), key=lambda r: r["step"])
-        if va:
-            ax.plot([r["step"] for r in va], [r["balanced_accuracy"] for r in va], marker="o", label=name)
-    ax.set(xlabel="step within stage", ylabel="validation balanced accuracy", title="Validation BA", ylim=(0, 1))
-    if ax.lines:
-        ax.legend()
-    fig.tight_layout()
-    out.append(run_dir / "plots" / "val_ba.png")
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
+        offsets[name] = offset
+        tr = _series(records, name, "train")
+        offset += tr[-1]["step"] if tr else 0
+    specs = [("loss.png", "train", "loss", True, "optimizer step (cumulative)", "train loss",
+              "Training loss by stage", None),
+             ("val_ba.png", "val", "balanced_accuracy", False, "step within stage",
+              "validation balanced accuracy", "Validation BA", (0, 1))]
+    out = []
+    for fname, kind, key, cumulative, xlabel, ylabel, title, ylim in specs:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for name in stages:
+            rs = _series(records, name, kind)
+            if rs:
+                x = [r["step"] + (offsets[name] if cumulative else 0) for r in rs]
+                ax.plot(x, [r[key] for r in rs], marker=None if cumulative else "o", label=name)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+        if ylim:
+            ax.set_ylim(*ylim)
+        if ax.lines:
+            ax.legend()
+        fig.tight_layout()
+        out.append(run_dir / "plots" / fname)
+        fig.savefig(out[-1], dpi=100)
+        plt.close(fig)
     return out

@@ -15,6 +15,14 @@ ring rather than reuse ring-flash-attn's because its ring/zigzag backward was se
 on CPU, and because its import needs the flash-attn package that neither CPU machines nor our GPU
 image have; this version is right in fp32 and bf16 (tests/test_sequence_parallel.py).
 
+Backend ``ulysses`` (:func:`ulysses_attention`): DeepSpeed-Ulysses' scheme — all-to-all from
+sequence shards to head shards, local causal SDPA over the whole sequence, all-to-all back — on
+the same zigzag shards (a fixed permutation puts positions in order). We implement it here rather
+than use DeepSpeed's ``UlyssesSPAttentionHF``: that one replaces the process-wide ``sdpa`` entry of
+transformers' registry, needs its own data-loader adapter and an ``mpu`` (changing DeepSpeed's
+gradient averaging), and lost document boundaries of packed inputs; this one shares the data path,
+loss normalisation and checks of the ring.
+
 The attention is registered in transformers' attention registry under ``longsft_sp``; no
 transformers function is patched. Outside :func:`active` (e.g. ``generate`` in validation) it is
 plain SDPA over an unsplit sequence.
@@ -34,8 +42,17 @@ ATTN_NAME = "longsft_sp"
 BACKENDS = ("torch", "ring_flash_attn", "ulysses")
 
 
+def check_heads(backend: str, sp_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """Ulysses splits attention heads over the SP group: they must divide evenly."""
+    if backend == "ulysses" and sp_size > 1 and num_heads % sp_size:
+        raise ConfigError(f"parallel.sp_backend=ulysses splits the model's {num_heads} attention heads over "
+                          f"sp_size={sp_size} ranks, which does not divide them; use an sp_size that divides "
+                          f"{num_heads}, or parallel.sp_backend=torch (the ring has no such limit)")
+
+
 @dataclass
 class _State:
+    backend: str = "torch"
     group: object = None
     size: int = 1
     rank: int = 0
@@ -54,16 +71,20 @@ def check_backend(backend: str, sp_size: int) -> None:
         raise ConfigError("parallel.sp_backend=ring_flash_attn is not built yet (it needs the flash-attn package "
                           "on GPUs); use parallel.sp_backend=torch, the same zigzag ring on PyTorch's fused kernels")
     if backend == "ulysses":
-        raise ConfigError("parallel.sp_backend=ulysses is not built yet; use parallel.sp_backend=torch")
+        return
     raise ConfigError(f"unknown parallel.sp_backend {backend!r}; one of {list(BACKENDS)}")
 
 
-def setup(group, ranks: list[int], rank: int) -> None:
+def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
     """Remember this rank's SP group and register the attention function (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     _SP.group, _SP.ranks, _SP.size, _SP.rank = group, tuple(ranks), len(ranks), ranks.index(rank)
+    _SP.backend = backend
     AttentionInterface.register(ATTN_NAME, sp_attention_forward)
+    # Masks as for SDPA, so the unsplit fallback (generation) is exactly SDPA; the ring ignores them.
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
 
 
 @contextlib.contextmanager
@@ -231,6 +252,71 @@ def zigzag_ring_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
     return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
 
 
+# --------------------------------------------------------------------------- ulysses
+
+
+class _SeqToHeads(torch.autograd.Function):
+    """all-to-all: [b, h, s_local, d] (all heads, our tokens) -> [b, h/sp, sp*s_local, d] (our heads,
+    every rank's tokens, in rank order). The backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _seq_to_heads(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_seq(grad)
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _heads_to_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _seq_to_heads(grad)
+
+
+def _seq_to_heads(x):
+    b, h, s, d = x.shape
+    n = _SP.size
+    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [sp(dest), b, h/sp, s, d]
+    recv = torch.empty_like(send)  # [sp(source), b, h/sp, s, d]
+    dist.all_to_all_single(recv, send, group=_SP.group)
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def _heads_to_seq(x):
+    b, hl, S, d = x.shape
+    n = _SP.size
+    send = x.reshape(b, hl, n, S // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [sp(dest), b, h/sp, s, d]
+    recv = torch.empty_like(send)  # [sp(source = head block), b, h/sp, s, d]
+    dist.all_to_all_single(recv, send, group=_SP.group)
+    return recv.transpose(0, 1).reshape(b, n * hl, S // n, d)
+
+
+def ulysses_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
+    """Causal attention by head-splitting all-to-all (DeepSpeed-Ulysses' scheme) on zigzag shards.
+
+    q [b, h, s_local, d]; k, v [b, hk, s_local, d]. After the all-to-all every rank holds the
+    whole sequence for h/sp heads, in rank order of zigzag chunks; a fixed permutation restores
+    position order for plain causal SDPA and is undone afterwards. KV heads are repeated up to the
+    query heads only when they do not divide over the group.
+    """
+    import torch.nn.functional as F
+
+    n, h, hk = _SP.size, q.shape[1], k.shape[1]
+    if hk % n:
+        k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+    S = q.shape[2] * n
+    order = torch.cat([zigzag_index(S, n, r) for r in range(n)]).to(q.device)  # gathered slot -> position
+    to_pos = torch.argsort(order)
+    qf, kf, vf = (_SeqToHeads.apply(t.contiguous())[:, :, to_pos] for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=kf.shape[1] != qf.shape[1])
+    return _HeadsToSeq.apply(out[:, :, order].contiguous())
+
+
 def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                          scaling: float | None = None, **kwargs):
     """transformers attention interface: query [b, h, s, d] -> output [b, s, h, d], no weights."""
@@ -241,5 +327,6 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
                                       **kwargs)
     if dropout:
         raise ValueError("sequence-parallel attention does not support attention dropout")
-    out = zigzag_ring_attention(query, key, value, scaling)
+    attend = ulysses_attention if _SP.backend == "ulysses" else zigzag_ring_attention
+    out = attend(query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -1,8 +1,8 @@
-"""Zigzag ring attention on N ranks vs full causal attention on the gathered sequence.
+"""Sequence-parallel attention (zigzag ring, Ulysses) on N ranks vs full causal attention.
 
     torchrun --nproc_per_node=N tests/dist/ring_attention.py OUT.json
 
-Writes the max relative error of the output and of dQ/dK/dV per (dtype, seq_len, heads) case.
+Writes the max relative error of the output and of dQ/dK/dV per (backend, dtype, seq_len, heads) case.
 """
 
 import json
@@ -24,7 +24,10 @@ def main(out_path: str) -> None:
     results = []
     cases = [(torch.float32, 8 * n, 4, 4), (torch.float32, 24 * n, 4, 2), (torch.float32, 2 * n, 2, 1),
              (torch.bfloat16, 32 * n, 4, 2)]
-    for dtype, seq, heads, kv_heads in cases:
+    for backend, (dtype, seq, heads, kv_heads) in [(b, c) for b in ("torch", "ulysses") for c in cases]:
+        if backend == "ulysses" and heads % n:
+            continue
+        attend = sp.zigzag_ring_attention if backend == "torch" else sp.ulysses_attention
         g = torch.Generator().manual_seed(seq * 31 + heads)
         q = torch.randn(1, heads, seq, 16, generator=g)
         k = torch.randn(1, kv_heads, seq, 16, generator=g)
@@ -39,12 +42,12 @@ def main(out_path: str) -> None:
         idx = sp.zigzag_index(seq, n, d.sp_rank)
         ql, kl, vl = (t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v))
         with sp.active():
-            out = sp.zigzag_ring_attention(ql, kl, vl)
+            out = attend(ql, kl, vl)
         out.backward(dout[:, :, idx].to(dtype))
         errs = {"out": rel(out, ref[:, :, idx].detach()), "dq": rel(ql.grad, qr.grad[:, :, idx]),
                 "dk": rel(kl.grad, kr.grad[:, :, idx]), "dv": rel(vl.grad, vr.grad[:, :, idx])}
         worst = distributed.all_gather_objects(errs)
-        results.append({"dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
+        results.append({"backend": backend, "dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
                         **{k: max(w[k] for w in worst) for k in errs}})
     if d.is_main:
         with open(out_path, "w") as f:

@@ -26,7 +26,7 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     from longsft.train.model import build_model, build_tokenizer
 
     cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", *overrides])
-    d = distributed.init(cfg.parallel.sp_size) if mode == "ds" else None
+    d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend) if mode == "ds" else None
     stage = cfg.stages[0]
     tok = build_tokenizer(cfg.model)
     items, _ = encode_all(load_samples(data), tok, stage.seq_len, "end", "truncate")

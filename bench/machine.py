@@ -1,0 +1,25 @@
+"""Describe the machine a benchmark ran on (goes into every results JSON)."""
+
+import os
+import platform
+
+
+def describe() -> dict:
+    import torch
+    import transformers
+
+    try:
+        import deepspeed
+
+        ds_version = deepspeed.__version__
+    except ImportError:
+        ds_version = None
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    mem = next((int(line.split()[1]) // 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
+    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "python": platform.python_version(),
+            "torch": torch.__version__, "deepspeed": ds_version, "transformers": transformers.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
