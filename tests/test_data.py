@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from longsft.train.data import (IGNORE, StepSampler, collate, encode, load_samples, prompt_ids, render_prompt)
+from longsft.train.data import (IGNORE, Encoded, Sample, StepSampler, collate, encode, load_samples, pack,
+                                prompt_ids, render_prompt)
 from longsft.train.io import DataError
 
 REC = {"id": "x1", "language": "en", "article": "Arthur led 300 soldiers to Ravenford. " * 5,
@@ -106,3 +107,29 @@ def test_step_sampler_partitions_each_step_and_is_deterministic():
     # each epoch covers distinct samples
     epoch0 = sum((samplers[0].global_indices(s) for s in range(2)), [])
     assert len(set(epoch0)) == len(epoch0)
+
+
+def _enc(name, n, answer):
+    return Encoded(Sample(name, "en", "a", "s", 4, "t"), list(range(1, n + 1)), [IGNORE] * (n - answer) +
+                   list(range(n - answer + 1, n + 1)), n - answer)
+
+
+def test_pack_first_fit_decreasing_is_deterministic_and_bounded():
+    items = [_enc(f"s{i}", n, 2) for i, n in enumerate([7, 3, 5, 2, 6, 4])]
+    rows = pack(items, 10, True)
+    assert all(sum(len(e.input_ids) for e in r) <= 10 for r in rows)
+    assert sorted(e.sample.id for r in rows for e in r) == sorted(e.sample.id for e in items)
+    assert [[e.sample.id for e in r] for r in rows] == [[e.sample.id for e in r] for r in pack(items[::-1], 10, True)]
+    assert len(rows) == 3
+    assert pack(items, 10, False) == [[e] for e in items]
+
+
+def test_collate_packed_row_keeps_documents_apart():
+    a, b = _enc("a", 5, 2), _enc("b", 4, 3)
+    batch = collate([[a, b]], pad_id=0, pad_to_multiple=4)
+    assert batch["input_ids"].shape == (1, 12)
+    assert batch["position_ids"][0, :9].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3]
+    assert batch["doc_ids"][0].tolist() == [0] * 5 + [1] * 4 + [-1] * 3
+    # a's last token must not learn to predict b's first token
+    assert batch["shift_labels"][0, :9].tolist() == a.labels[1:] + [IGNORE] + b.labels[1:] + [IGNORE]
+    assert batch["attention_mask"][0].sum() == 9

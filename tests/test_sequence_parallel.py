@@ -68,6 +68,7 @@ def test_ring_attention_equals_full_attention(tmp_path, nproc):
     torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc)
     cases = json.loads(out.read_text())
     assert {c["backend"] for c in cases} == {"torch", "ulysses"}
+    assert {c["packed"] for c in cases} == {True, False}
     for case in cases:
         tol = 1e-5 if case["dtype"] == "torch.float32" else 2e-2  # bf16: rounding of inputs/outputs
         for key in ("out", "dq", "dk", "dv"):
@@ -88,6 +89,21 @@ def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sp, backend", [(1, "torch"), (2, "torch"), (2, "ulysses")])
+def test_packed_rows_equal_one_sample_at_a_time(tmp_path, tiny_model_dir, sample_dir, sp, backend):
+    """Packed rows (several documents per row, masked from each other, positions reset) give the
+    loss and gradients of running every sample on its own, with and without sequence parallelism."""
+    model = str(tiny_model_dir("qwen3"))
+    data = str(sample_dir / "512" / "train.jsonl")
+    common = ["optim.grad_accum=2", "deepspeed.config=zero3", "stages.0.seq_len=1536"]
+    ref, got = tmp_path / "ref.pt", tmp_path / "packed.pt"
+    torchrun([STEP, "ref", model, data, str(ref), "1", *common, "data.packing=true"], nproc=1)
+    torchrun([STEP, "ds", model, data, str(got), "1", *common, "data.packing=true", f"parallel.sp_size={sp}",
+              f"parallel.sp_backend={backend}"], nproc=sp)
+    compare_steps(ref, got)
+
+
+@pytest.mark.slow
 def test_dp2_sp2_on_four_ranks_equals_dp2(tmp_path, tiny_model_dir, sample_dir):
     model = str(tiny_model_dir("qwen3"))
     data = str(sample_dir / "512" / "train.jsonl")
@@ -99,9 +115,10 @@ def test_dp2_sp2_on_four_ranks_equals_dp2(tmp_path, tiny_model_dir, sample_dir):
 
 
 @pytest.mark.slow
-def test_three_step_trajectory_matches(tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_three_step_trajectory_matches(tmp_path, packing):
     """The real trainer: sp=2 on 2 ranks vs one process, same global batches, three steps."""
-    over = TEST_OVERRIDES[:-1] + ["optim.grad_accum=2", "deepspeed.config=zero3",
+    over = TEST_OVERRIDES[:-1] + ["optim.grad_accum=2", "deepspeed.config=zero3", f"data.packing={str(packing).lower()}",
                                   "stages=[{name: a, bucket: 1k, seq_len: 1024, max_steps: 3, validate: false}]"]
     torchrun([LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'one'}", *over, "parallel.sp_size=1"], nproc=1)
     torchrun([LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'sp'}", *over, "parallel.sp_size=2"], nproc=2)

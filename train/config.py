@@ -58,6 +58,8 @@ class DataConfig:
     train_file: str = "data/{bucket}/train.jsonl"
     validation_file: str = "data/{bucket}/validation.jsonl"
     prompt: Literal["end", "begin", "cot"] = "end"
+    # Pack several samples into one seq_len row (documents masked from each other, positions reset).
+    packing: bool = False
     # Samples per language and bucket for ``source: sample``.
     sample_size: int = 16
     seed: int = 42
@@ -399,7 +401,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("parallel.sp_size must be >= 1")
     from .sequence_parallel import check_backend
 
-    check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size)
+    check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size, cfg.data.packing)
 
 
 def to_dict(cfg: Any) -> Any:

@@ -232,26 +232,58 @@ def encode_all(samples: list[Sample], tokenizer, seq_len: int, variant: PromptVa
 # --------------------------------------------------------------------------- batching
 
 
-def collate(items: list[Encoded], pad_id: int, pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad to a common length. Labels are shifted here, before any sequence split:
-    ``shift_labels[b, t]`` is the target of position ``t`` (IGNORE where none).
+Row = list[Encoded]  # one batch row: a single sample, or several packed end to end
 
-    Returns input_ids, attention_mask, position_ids, shift_labels: all [batch, seq].
+
+def pack(items: list[Encoded], seq_len: int, enabled: bool) -> list[Row]:
+    """Group samples into rows of at most ``seq_len`` tokens (first-fit decreasing, deterministic).
+
+    Without packing every row holds one sample. Packed documents never see each other: they get
+    their own position ids and document ids, and attention is masked per document.
     """
-    n = max(len(e.input_ids) for e in items)
+    if not enabled:
+        return [[e] for e in items]
+    rows: list[Row] = []
+    space: list[int] = []
+    for e in sorted(items, key=lambda e: (-len(e.input_ids), e.sample.id)):
+        n = len(e.input_ids)
+        j = next((i for i, free in enumerate(space) if free >= n), None)
+        if j is None:
+            rows.append([e])
+            space.append(seq_len - n)
+        else:
+            rows[j].append(e)
+            space[j] -= n
+    return rows
+
+
+def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad rows to a common length. Labels are shifted here, before any sequence split, and
+    per document: ``shift_labels[b, t]`` is the target of position ``t`` (IGNORE at a document's
+    last token and on padding). Position ids restart at 0 for each packed document.
+
+    Returns input_ids, attention_mask, position_ids, shift_labels, doc_ids (-1 on padding): [batch, seq].
+    """
+    rows = [r if isinstance(r, list) else [r] for r in rows]
+    n = max(sum(len(e.input_ids) for e in r) for r in rows)
     n = -(-n // pad_to_multiple) * pad_to_multiple
-    ids = torch.full((len(items), n), pad_id, dtype=torch.long)
-    labels = torch.full((len(items), n), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(items), n), dtype=torch.long)
-    for i, e in enumerate(items):
-        k = len(e.input_ids)
-        ids[i, :k] = torch.tensor(e.input_ids)
-        labels[i, :k] = torch.tensor(e.labels)
-        mask[i, :k] = 1
-    shift = torch.full_like(labels, IGNORE)
-    shift[:, :-1] = labels[:, 1:]
-    pos = torch.arange(n).expand(len(items), n).clone()
-    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "shift_labels": shift}
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    shift = torch.full((len(rows), n), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    docs = torch.full((len(rows), n), -1, dtype=torch.long)
+    pos = torch.arange(n).repeat(len(rows), 1)
+    for i, row in enumerate(rows):
+        t = 0
+        for j, e in enumerate(row):
+            k = len(e.input_ids)
+            ids[i, t:t + k] = torch.tensor(e.input_ids)
+            shift[i, t:t + k - 1] = torch.tensor(e.labels[1:])
+            pos[i, t:t + k] = torch.arange(k)
+            docs[i, t:t + k] = j
+            t += k
+        mask[i, :t] = 1
+        pos[i, t:] = torch.arange(t, n) if len(row) == 1 else torch.arange(n - t)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "shift_labels": shift, "doc_ids": docs}
 
 
 class StepSampler:

@@ -116,10 +116,9 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
         g = dist.new_group(ranks)
         if rank in ranks:
             d.dp_group = g
-    if sp_size > 1:
-        from . import sequence_parallel
+    from . import sequence_parallel
 
-        sequence_parallel.setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
+    sequence_parallel.setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
     return d
 
 

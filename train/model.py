@@ -95,10 +95,11 @@ def torch_dtype(cfg: ModelConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
 
 
-def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, sp_size: int = 1):
+def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, sp_size: int = 1,
+                packing: bool = False):
     """Load (``init_from`` or ``cfg.path``) or build from ``cfg.config`` a causal LM for training.
 
-    With ``sp_size > 1`` attention runs through longsft's sequence-parallel registry entry.
+    With ``sp_size > 1`` or packed documents, attention runs through longsft's registry entry.
 
     Call inside ``HfDeepSpeedConfig``'s lifetime for ZeRO-3, so large weights load partitioned.
     """
@@ -107,7 +108,7 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     hf = build_hf_config(cfg, init_from)
     source = init_from or cfg.path
     attn = cfg.attn_implementation
-    if sp_size > 1:
+    if sp_size > 1 or packing:
         from .sequence_parallel import ATTN_NAME
 
         attn = ATTN_NAME

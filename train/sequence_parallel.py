@@ -58,13 +58,17 @@ class _State:
     rank: int = 0
     ranks: tuple[int, ...] = ()
     active: bool = False
+    doc_ids: torch.Tensor | None = None  # [batch, s_local] when documents are packed
 
 
 _SP = _State()
 
 
-def check_backend(backend: str, sp_size: int) -> None:
+def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
     """Fail at start-up, with the fix, for a backend that cannot run here."""
+    if packing and sp_size > 1 and backend == "torch" and torch.cuda.is_available():
+        raise ConfigError("data.packing with the torch ring on GPUs needs per-block document masks, which "
+                          "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or data.packing=false")
     if sp_size == 1 or backend == "torch":
         return
     if backend == "ring_flash_attn":
@@ -88,13 +92,16 @@ def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
 
 
 @contextlib.contextmanager
-def active(enabled: bool = True):
-    """Inside: attention layers expect zigzag-sharded sequences and run the ring."""
-    prev, _SP.active = _SP.active, enabled and _SP.size > 1
+def active(enabled: bool = True, doc_ids: torch.Tensor | None = None):
+    """Inside: attention layers expect zigzag-sharded sequences (and, with ``doc_ids``, packed
+    documents that must not see each other)."""
+    prev = _SP.active, _SP.doc_ids
+    _SP.active = enabled and (_SP.size > 1 or doc_ids is not None)
+    _SP.doc_ids = doc_ids
     try:
         yield
     finally:
-        _SP.active = prev
+        _SP.active, _SP.doc_ids = prev
 
 
 # --------------------------------------------------------------------------- data
@@ -120,7 +127,7 @@ def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_
         return batch
     n = batch["input_ids"].shape[1]
     target = -(-n // (2 * sp_size)) * (2 * sp_size)
-    fill = {"input_ids": pad_id, "shift_labels": -100, "attention_mask": 0}
+    fill = {"input_ids": pad_id, "shift_labels": -100, "attention_mask": 0, "doc_ids": -1}
     out = {}
     idx = zigzag_index(target, sp_size, sp_rank)
     for key, t in batch.items():
@@ -138,8 +145,24 @@ def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_
 # --------------------------------------------------------------------------- kernels
 
 
-def _block_fwd(q, k, v, causal: bool, scale: float):
-    """One block: out [b, h, s, d], lse [b, h, s] (fp32)."""
+def _block_mask(doc_q, doc_k, causal: bool, dtype):
+    """Additive mask [b, 1, sq, sk] allowing same-document (and, if causal, earlier) keys, and the
+    rows [b, sq] that may see no key of this block."""
+    allowed = doc_q[:, :, None] == doc_k[:, None, :]
+    if causal:
+        allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    return mask[:, None], ~allowed.any(-1)
+
+
+def _block_fwd(q, k, v, causal: bool, scale: float, docs=None):
+    """One block: out [b, h, s, d], lse [b, h, s] (fp32). ``docs`` = (doc ids of q rows, of k)."""
+    if docs is not None:  # packed documents: an explicit mask (CPU kernel only, checked at start-up)
+        mask, empty = _block_mask(docs[0], docs[1], causal, q.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                              scale=scale)
+        # the kernel reports lse 0 for a row with no visible key; it must weigh nothing in the merge
+        return out.masked_fill(empty[:, None, :, None], 0), lse.masked_fill(empty[:, None], float("-inf"))
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return r[0], r[1]
@@ -147,8 +170,12 @@ def _block_fwd(q, k, v, causal: bool, scale: float):
     return out, lse
 
 
-def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, docs=None):
     """Gradients of one block given the *final* ``out`` and ``lse`` of the full attention row."""
+    if docs is not None:
+        mask, _ = _block_mask(docs[0], docs[1], causal, q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
     if q.is_cuda:
         empty = torch.empty(0, device=q.device, dtype=torch.int32)
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -161,8 +188,9 @@ def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
 def _merge(out, lse, blk_out, blk_lse):
     """Combine two partial softmax-attentions by their log-sum-exp (fp32). out [b,h,s,d], lse [b,h,s]."""
     new = torch.logaddexp(lse, blk_lse)
-    out = out * torch.exp(lse - new).unsqueeze(-1) + blk_out.float() * torch.exp(blk_lse - new).unsqueeze(-1)
-    return out, new
+    a = torch.exp(lse - new).nan_to_num(0.0)  # nan only where both are -inf (no key seen yet)
+    b = torch.exp(blk_lse - new).nan_to_num(0.0)
+    return out * a.unsqueeze(-1) + blk_out.float() * b.unsqueeze(-1), new
 
 
 def _ring_pass(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -175,6 +203,13 @@ def _ring_pass(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     return recv
+
+
+def _pass_kv(k, v, docs):
+    """Pass a K/V block (and its document ids, when packed) to the next rank."""
+    if docs is None:
+        return (*_ring_pass([k, v]), None)
+    return tuple(_ring_pass([k, v, docs]))
 
 
 def _plan(step: int):
@@ -192,47 +227,48 @@ def _plan(step: int):
 
 class _ZigzagRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale):
-        # q [b, h, s, d]; k, v [b, hk, s, d]; s = 2c (two zigzag chunks)
+    def forward(ctx, q, k, v, scale, docs):
+        # q [b, h, s, d]; k, v [b, hk, s, d]; s = 2c (two zigzag chunks); docs [b, s] or None
         groups = q.shape[1] // k.shape[1]
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        kc, vc = k, v
-        for step in range(_SP.size):
-            rows, keys, causal = _plan(step)
-            kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
-            vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
-            if keys == "first":
-                kk, vv = kk[:, :, :c], vv[:, :, :c]
-            qs = slice(c, None) if rows == "second" else slice(None)
-            blk_out, blk_lse = _block_fwd(q[:, :, qs], kk, vv, causal, scale)
-            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
-            if step < _SP.size - 1:
-                kc, vc = _ring_pass([kc, vc])
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        scale, groups, c = ctx.scale, q.shape[1] // k.shape[1], q.shape[2] // 2
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        kc, vc = k, v
+        kc, vc, dc = k, v, docs
         for step in range(_SP.size):
             rows, keys, causal = _plan(step)
             kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
             vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
             ks = slice(None, c) if keys == "first" else slice(None)
             qs = slice(c, None) if rows == "second" else slice(None)
+            blk_docs = None if docs is None else (docs[:, qs], dc[:, ks])
+            blk_out, blk_lse = _block_fwd(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], causal, scale, blk_docs)
+            out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
+            if step < _SP.size - 1:
+                kc, vc, dc = _pass_kv(kc, vc, dc)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, docs)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, docs = ctx.saved_tensors
+        scale, groups, c = ctx.scale, q.shape[1] // k.shape[1], q.shape[2] // 2
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        kc, vc, dc = k, v, docs
+        for step in range(_SP.size):
+            rows, keys, causal = _plan(step)
+            kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
+            vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
+            ks = slice(None, c) if keys == "first" else slice(None)
+            qs = slice(c, None) if rows == "second" else slice(None)
+            blk_docs = None if docs is None else (docs[:, qs], dc[:, ks])
             dq_b, dk_b, dv_b = _block_bwd(dout[:, :, qs], q[:, :, qs].contiguous(), kk[:, :, ks].contiguous(),
                                           vv[:, :, ks].contiguous(), out[:, :, qs].contiguous(),
-                                          lse[:, :, qs].contiguous(), causal, scale)
+                                          lse[:, :, qs].contiguous(), causal, scale, blk_docs)
             dq[:, :, qs] += dq_b.float()
             if groups > 1:  # fold the repeated heads back onto their KV head
                 dk_b = dk_b.unflatten(1, (-1, groups)).sum(2)
@@ -240,16 +276,41 @@ class _ZigzagRing(torch.autograd.Function):
             dk_acc[:, :, ks] += dk_b.float()
             dv_acc[:, :, ks] += dv_b.float()
             if step < _SP.size - 1:
-                kc, vc = _ring_pass([kc, vc])
+                kc, vc, dc = _pass_kv(kc, vc, dc)
             dk_acc, dv_acc = _ring_pass([dk_acc, dv_acc])  # after the last pass they are home
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None
 
 
-def zigzag_ring_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of zigzag-sharded q/k/v across the SP group. [b, h, s_local, d] -> same."""
+def zigzag_ring_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of zigzag-sharded q/k/v across the SP group. [b, h, s_local, d] -> same.
+
+    ``doc_ids`` [b, s_local]: packed documents; a token only sees earlier tokens of its document.
+    """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale)
+    docs = None if doc_ids is None else doc_ids.contiguous()
+    return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs)
+
+
+def _spans(doc_row: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal document ids (documents are contiguous in position order)."""
+    change = (torch.nonzero(doc_row[1:] != doc_row[:-1]).flatten() + 1).tolist()
+    bounds = [0, *change, doc_row.numel()]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def per_document_attention(q, k, v, scale: float | None, doc_ids: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA inside each document of whole (unsplit) sequences. q [b, h, s, d], doc_ids [b, s]."""
+    import torch.nn.functional as F
+
+    gqa = k.shape[1] != q.shape[1]
+    rows = []
+    for b in range(q.shape[0]):
+        parts = [F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
+                                                is_causal=True, scale=scale, enable_gqa=gqa)
+                 for s, e in _spans(doc_ids[b])]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0)
 
 
 # --------------------------------------------------------------------------- ulysses
@@ -296,7 +357,7 @@ def _heads_to_seq(x):
     return recv.transpose(0, 1).reshape(b, n * hl, S // n, d)
 
 
-def ulysses_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
+def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention by head-splitting all-to-all (DeepSpeed-Ulysses' scheme) on zigzag shards.
 
     q [b, h, s_local, d]; k, v [b, hk, s_local, d]. After the all-to-all every rank holds the
@@ -313,7 +374,13 @@ def ulysses_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
     order = torch.cat([zigzag_index(S, n, r) for r in range(n)]).to(q.device)  # gathered slot -> position
     to_pos = torch.argsort(order)
     qf, kf, vf = (_SeqToHeads.apply(t.contiguous())[:, :, to_pos] for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale, enable_gqa=kf.shape[1] != qf.shape[1])
+    if doc_ids is None:
+        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
+                                             enable_gqa=kf.shape[1] != qf.shape[1])
+    else:
+        parts = [torch.empty_like(doc_ids) for _ in range(n)]
+        dist.all_gather(parts, doc_ids.contiguous(), group=_SP.group)
+        out = per_document_attention(qf, kf, vf, scale, torch.cat(parts, dim=1)[:, to_pos])
     return _HeadsToSeq.apply(out[:, :, order].contiguous())
 
 
@@ -327,6 +394,9 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
                                       **kwargs)
     if dropout:
         raise ValueError("sequence-parallel attention does not support attention dropout")
-    attend = ulysses_attention if _SP.backend == "ulysses" else zigzag_ring_attention
-    out = attend(query, key, value, scaling)
+    if _SP.size == 1:  # packed documents on one rank
+        out = per_document_attention(query, key, value, scaling, _SP.doc_ids)
+    else:
+        attend = ulysses_attention if _SP.backend == "ulysses" else zigzag_ring_attention
+        out = attend(query, key, value, scaling, _SP.doc_ids)
     return out.transpose(1, 2).contiguous(), None

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from . import checkpoint, sequence_parallel
 from .config import ConfigError, RunConfig, StageConfig
-from .data import Encoded, StepSampler, collate, encode_all, load_samples
+from .data import Row, StepSampler, collate, encode_all, load_samples, pack
 from .distributed import Dist
 from .engine import build_ds_config, build_engine
 from .io import write_jsonl
@@ -22,10 +22,15 @@ from .tracker import Tracker, peak_memory_gb
 from .validation import is_better, run_validation
 
 
-def make_batch(items: list[Encoded], pad_id: int, d: Dist) -> tuple[dict[str, torch.Tensor], int]:
-    """Collate ``items`` and keep this rank's part of the sequence; returns (batch, real tokens)."""
-    batch = collate(items, pad_id)
+def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
+
+    ``doc_ids`` stays in the batch only for packed rows (for :func:`sequence_parallel.active`).
+    """
+    batch = collate(rows, pad_id)
     tokens = int(batch["attention_mask"].sum())
+    if not packing:
+        batch.pop("doc_ids")
     batch = sequence_parallel.shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id)
     return {k: v.to(d.device) for k, v in batch.items()}, tokens
 
@@ -57,7 +62,8 @@ class StageTrainer:
     def _data(self) -> None:
         st, cfg = self.stage, self.cfg
         train_path, val_path = stage_files(cfg, st)
-        self.train, tstats = encode_all(load_samples(train_path), self.tok, st.seq_len, cfg.data.prompt, st.overflow)
+        encoded, tstats = encode_all(load_samples(train_path), self.tok, st.seq_len, cfg.data.prompt, st.overflow)
+        self.train = pack(encoded, st.seq_len, cfg.data.packing)
         val = load_samples(val_path) if st.validate else []
         if cfg.validation.max_samples:
             val = val[: cfg.validation.max_samples]
@@ -80,7 +86,8 @@ class StageTrainer:
         self.state.update(total_steps=self.total_steps, steps_per_epoch=spe,
                           data={"train": asdict(tstats), "validation": asdict(vstats),
                                 "train_file": str(train_path), "validation_file": str(val_path)})
-        self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples "
+        packed = f" in {len(self.train)} packed rows" if cfg.data.packing else ""
+        self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples{packed} "
                            f"({tstats.truncated} truncated, {tstats.skipped} skipped; policy={st.overflow}), "
                            f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}")
 
@@ -91,7 +98,7 @@ class StageTrainer:
         self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
         # Alive while the model is built: ZeRO-3 partitions weights as they load.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841
-        model = build_model(self.cfg.model, self.init_from, self.cfg.seed, self.d.dims.sp_size)
+        model = build_model(self.cfg.model, self.init_from, self.cfg.seed, self.d.dims.sp_size, self.cfg.data.packing)
         self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps)
 
     # ------------------------------------------------------------------ loop
@@ -149,8 +156,8 @@ class StageTrainer:
         scale = backward_scale(n_global, self.engine.dp_world_size, self.cfg.optim.grad_accum)
         loss_sum, tokens = torch.zeros((), dtype=torch.float64), 0
         for idx in micro:
-            batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d)
-            with sequence_parallel.active():
+            batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d, self.cfg.data.packing)
+            with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
                 loss, _ = token_loss_sum(self.engine, batch)
                 self.engine.backward(loss * scale)
             self.engine.step()
@@ -168,8 +175,8 @@ class StageTrainer:
                 "memory_gb": peak_memory_gb()}
 
     def _n_targets(self, i: int) -> int:
-        # collate shifts labels by one: position t predicts t+1, so the first label never counts
-        return sum(1 for x in self.train[i].labels[1:] if x != -100)
+        # collate shifts labels by one per document: a document's first label never counts
+        return sum(1 for e in self.train[i] for x in e.labels[1:] if x != -100)
 
     def _validate(self, step: int) -> None:
         v = self.cfg.validation

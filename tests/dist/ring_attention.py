@@ -22,9 +22,11 @@ def main(out_path: str) -> None:
     d = distributed.init(int(__import__("os").environ["WORLD_SIZE"]))
     n = d.world_size
     results = []
-    cases = [(torch.float32, 8 * n, 4, 4), (torch.float32, 24 * n, 4, 2), (torch.float32, 2 * n, 2, 1),
-             (torch.bfloat16, 32 * n, 4, 2)]
-    for backend, (dtype, seq, heads, kv_heads) in [(b, c) for b in ("torch", "ulysses") for c in cases]:
+    cases = [(torch.float32, 8 * n, 4, 4, None), (torch.float32, 24 * n, 4, 2, None), (torch.float32, 2 * n, 2, 1, None),
+             (torch.bfloat16, 32 * n, 4, 2, None),
+             # packed documents of uneven lengths, boundaries anywhere relative to the zigzag chunks
+             (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3])]
+    for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in ("torch", "ulysses") for c in cases]:
         if backend == "ulysses" and heads % n:
             continue
         attend = sp.zigzag_ring_attention if backend == "torch" else sp.ulysses_attention
@@ -36,18 +38,23 @@ def main(out_path: str) -> None:
         # reference: one process, the whole sequence, in fp32
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         rep = heads // kv_heads
+        doc_ids = torch.zeros(1, seq, dtype=torch.long)
+        if docs:
+            doc_ids[0] = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+        allowed = (doc_ids[0, :, None] == doc_ids[0, None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
         ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1),
-                                             is_causal=True)
+                                             attn_mask=allowed)
         ref.backward(dout)
         idx = sp.zigzag_index(seq, n, d.sp_rank)
         ql, kl, vl = (t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v))
-        with sp.active():
-            out = attend(ql, kl, vl)
+        local_docs = doc_ids[:, idx] if docs else None
+        with sp.active(doc_ids=local_docs):
+            out = attend(ql, kl, vl, None, local_docs)
         out.backward(dout[:, :, idx].to(dtype))
         errs = {"out": rel(out, ref[:, :, idx].detach()), "dq": rel(ql.grad, qr.grad[:, :, idx]),
                 "dk": rel(kl.grad, kr.grad[:, :, idx]), "dv": rel(vl.grad, vr.grad[:, :, idx])}
         worst = distributed.all_gather_objects(errs)
-        results.append({"backend": backend, "dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
+        results.append({"backend": backend, "packed": bool(docs), "dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
                         **{k: max(w[k] for w in worst) for k in errs}})
     if d.is_main:
         with open(out_path, "w") as f:

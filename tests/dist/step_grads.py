@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=N tests/dist/step_grads.py ds MODEL DATA OUT DP [key=value ...]
 
 DP is the data-parallel degree whose global batch both modes use; ``parallel.sp_size=2`` in the
-overrides splits each sequence over 2 ranks (so N = DP * sp).
+overrides splits each sequence over 2 ranks (so N = DP * sp); ``data.packing=true`` packs samples
+into rows in ``ds`` mode, while ``ref`` always runs each sample on its own.
 
 ``ds`` runs the trainer's own pieces (DeepSpeed config, engine, StepSampler, loss scaling);
 ``ref`` computes the global token-mean loss of the same global batch in one process.
@@ -21,7 +22,7 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     from longsft.train.config import load_config
 
     from longsft.train import sequence_parallel
-    from longsft.train.data import StepSampler, collate, encode_all, load_samples
+    from longsft.train.data import StepSampler, collate, encode_all, load_samples, pack
     from longsft.train.loss import backward_scale, token_loss_sum
     from longsft.train.model import build_model, build_tokenizer
 
@@ -31,16 +32,18 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     tok = build_tokenizer(cfg.model)
     items, _ = encode_all(load_samples(data), tok, stage.seq_len, "end", "truncate")
     o = cfg.optim
-    sampler = StepSampler(len(items), dp, d.dp_rank if d else 0, o.micro_batch_size, o.grad_accum, cfg.seed)
+    rows = pack(items, stage.seq_len, cfg.data.packing)
+    sampler = StepSampler(len(rows), dp, d.dp_rank if d else 0, o.micro_batch_size, o.grad_accum, cfg.seed)
     global_idx = sampler.global_indices(0)
-    n_global = sum(sum(1 for x in items[i].labels[1:] if x != -100) for i in global_idx)
+    n_global = sum(sum(1 for x in e.labels[1:] if x != -100) for i in global_idx for e in rows[i])
 
     if mode == "ref":
         model = build_model(cfg.model)
         total = torch.zeros(())
         for i in global_idx:
-            loss, _ = token_loss_sum(model, collate([items[i]], tok.pad_token_id))
-            total = total + loss
+            for e in rows[i]:  # the reference never packs: one sample per forward
+                loss, _ = token_loss_sum(model, collate([e], tok.pad_token_id))
+                total = total + loss
         (total / n_global).backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         torch.save({"loss": (total / n_global).item(), "grads": grads}, out)
@@ -54,14 +57,15 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
 
     ds_config = build_ds_config(cfg, stage, d.world_size, 64)
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    engine = build_engine(cfg, build_model(cfg.model, sp_size=cfg.parallel.sp_size), ds_config, total_steps=10)
+    model = build_model(cfg.model, sp_size=cfg.parallel.sp_size, packing=cfg.data.packing)
+    engine = build_engine(cfg, model, ds_config, total_steps=10)
     scale = backward_scale(n_global, engine.dp_world_size, o.grad_accum)
     local = torch.zeros((), dtype=torch.float64)
     micro = sampler.step(0)
     grads = {}
     for k, idx in enumerate(micro):
-        batch, _ = make_batch([items[i] for i in idx], tok.pad_token_id, d)
-        with sequence_parallel.active():
+        batch, _ = make_batch([rows[i] for i in idx], tok.pad_token_id, d, cfg.data.packing)
+        with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
             loss, _ = token_loss_sum(engine, batch)
             engine.backward(loss * scale)
         local += loss.detach().double()
