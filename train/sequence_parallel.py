@@ -212,17 +212,25 @@ def _pass_kv(k, v, docs):
     return tuple(_ring_pass([k, v, docs]))
 
 
-def _plan(step: int):
-    """Which rows/keys of this step's block take part, for the zigzag layout.
+def _plan(step: int, c: int, groups: int, kc, vc, docs, dc):
+    """This ring step's block for the zigzag layout (local chunks r and 2sp-1-r, each of length c).
 
-    Returns (query rows, key part, causal): rows ``all``/``second``, keys ``all``/``first``.
+    Returns (query rows, key columns, causal, K, V, block doc ids): own chunks are causal over
+    [r ; 2sp-1-r] (already in position order); an earlier rank's chunk ``src`` is seen by every
+    local query but its late twin by none; a later rank's two chunks are seen only by our late
+    chunk. GQA heads are repeated here and folded back in the backward.
     """
     src = (_SP.rank - step) % _SP.size
     if step == 0:
-        return "all", "all", True  # own chunks: causal over [r ; 2sp-1-r], which is in order
-    if src < _SP.rank:
-        return "all", "first", False  # an earlier chunk src: every local query sees it, not its late twin
-    return "second", "all", False  # a later rank: only our late chunk sees both of its chunks
+        qs, ks, causal = slice(None), slice(None), True
+    elif src < _SP.rank:
+        qs, ks, causal = slice(None), slice(None, c), False
+    else:
+        qs, ks, causal = slice(c, None), slice(None), False
+    kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
+    vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
+    blk_docs = None if docs is None else (docs[:, qs], dc[:, ks])
+    return qs, ks, causal, kk[:, :, ks].contiguous(), vv[:, :, ks].contiguous(), blk_docs
 
 
 class _ZigzagRing(torch.autograd.Function):
@@ -235,13 +243,8 @@ class _ZigzagRing(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kc, vc, dc = k, v, docs
         for step in range(_SP.size):
-            rows, keys, causal = _plan(step)
-            kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
-            vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
-            ks = slice(None, c) if keys == "first" else slice(None)
-            qs = slice(c, None) if rows == "second" else slice(None)
-            blk_docs = None if docs is None else (docs[:, qs], dc[:, ks])
-            blk_out, blk_lse = _block_fwd(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], causal, scale, blk_docs)
+            qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
+            blk_out, blk_lse = _block_fwd(q[:, :, qs], kk, vv, causal, scale, blk_docs)
             out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
             if step < _SP.size - 1:
                 kc, vc, dc = _pass_kv(kc, vc, dc)
@@ -260,14 +263,8 @@ class _ZigzagRing(torch.autograd.Function):
         dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         kc, vc, dc = k, v, docs
         for step in range(_SP.size):
-            rows, keys, causal = _plan(step)
-            kk = kc.repeat_interleave(groups, 1) if groups > 1 else kc
-            vv = vc.repeat_interleave(groups, 1) if groups > 1 else vc
-            ks = slice(None, c) if keys == "first" else slice(None)
-            qs = slice(c, None) if rows == "second" else slice(None)
-            blk_docs = None if docs is None else (docs[:, qs], dc[:, ks])
-            dq_b, dk_b, dv_b = _block_bwd(dout[:, :, qs], q[:, :, qs].contiguous(), kk[:, :, ks].contiguous(),
-                                          vv[:, :, ks].contiguous(), out[:, :, qs].contiguous(),
+            qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
+            dq_b, dk_b, dv_b = _block_bwd(dout[:, :, qs], q[:, :, qs].contiguous(), kk, vv, out[:, :, qs].contiguous(),
                                           lse[:, :, qs].contiguous(), causal, scale, blk_docs)
             dq[:, :, qs] += dq_b.float()
             if groups > 1:  # fold the repeated heads back onto their KV head
@@ -316,27 +313,19 @@ def per_document_attention(q, k, v, scale: float | None, doc_ids: torch.Tensor) 
 # --------------------------------------------------------------------------- ulysses
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """all-to-all: [b, h, s_local, d] (all heads, our tokens) -> [b, h/sp, sp*s_local, d] (our heads,
-    every rank's tokens, in rank order). The backward is the inverse all-to-all."""
+class _AllToAll(torch.autograd.Function):
+    """all-to-all between sequence shards [b, h, s_local, d] (all heads, our tokens) and head shards
+    [b, h/sp, sp*s_local, d] (our heads, every rank's tokens in rank order); the backward is the
+    inverse exchange."""
 
     @staticmethod
-    def forward(ctx, x):
-        return _seq_to_heads(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_seq(grad)
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _heads_to_seq(x)
+    def forward(ctx, x, to_heads: bool):
+        ctx.to_heads = to_heads
+        return _seq_to_heads(x) if to_heads else _heads_to_seq(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad)
+        return (_heads_to_seq(grad) if ctx.to_heads else _seq_to_heads(grad)), None
 
 
 def _seq_to_heads(x):
@@ -373,7 +362,7 @@ def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor
     S = q.shape[2] * n
     order = torch.cat([zigzag_index(S, n, r) for r in range(n)]).to(q.device)  # gathered slot -> position
     to_pos = torch.argsort(order)
-    qf, kf, vf = (_SeqToHeads.apply(t.contiguous())[:, :, to_pos] for t in (q, k, v))
+    qf, kf, vf = (_AllToAll.apply(t.contiguous(), True)[:, :, to_pos] for t in (q, k, v))
     if doc_ids is None:
         out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
                                              enable_gqa=kf.shape[1] != qf.shape[1])
@@ -381,7 +370,7 @@ def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor
         parts = [torch.empty_like(doc_ids) for _ in range(n)]
         dist.all_gather(parts, doc_ids.contiguous(), group=_SP.group)
         out = per_document_attention(qf, kf, vf, scale, torch.cat(parts, dim=1)[:, to_pos])
-    return _HeadsToSeq.apply(out[:, :, order].contiguous())
+    return _AllToAll.apply(out[:, :, order].contiguous(), False)
 
 
 def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
