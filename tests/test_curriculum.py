@@ -180,3 +180,13 @@ def test_one_process_bf16_zero2_with_offline_wandb(tmp_path):
     assert list((run_dir / "wandb").glob("offline-run-*"))
     model = AutoModelForCausalLM.from_pretrained(state["stages"]["a"]["best"]["path"])
     assert model.dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_resume_with_a_different_config_is_refused(finished_run):
+    run_dir, _ = finished_run
+    before = (run_dir / "config.yaml").read_text()
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *HANDOFF, "optim.lr=0.1"], check=False, timeout=120)
+    assert r.returncode != 0
+    assert "was created with a different config (differs in ['optim'])" in r.stderr
+    assert (run_dir / "config.yaml").read_text() == before

@@ -32,9 +32,8 @@ def load_state(cfg: RunConfig) -> dict:
 
 
 def check_resolved_config(cfg: RunConfig) -> None:
-    """A resumed run must use the same resolved config (except logging)."""
+    """A resumed run must use the same resolved config (except logging). Every rank checks."""
     path = cfg.run_path / "config.yaml"
-    new = dump_yaml(cfg)
     if path.exists():
         import yaml
 
@@ -45,8 +44,6 @@ def check_resolved_config(cfg: RunConfig) -> None:
             diff = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
             raise ConfigError(f"{path}: the run directory was created with a different config (differs in "
                               f"{diff}); use a new run_dir or the same recipe and overrides")
-    else:
-        atomic_write_text(path, new)
 
 
 def prepare_data(cfg: RunConfig, tokenizer) -> None:
@@ -93,9 +90,12 @@ def run(cfg: RunConfig) -> dict:
     if cfg.data.source == "files":
         check_data(cfg)  # every rank, before the run directory is touched: bad data fails everywhere
     run_dir = cfg.run_path
+    check_resolved_config(cfg)  # every rank, so a mismatch fails everywhere instead of hanging a barrier
+    d.barrier()
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        check_resolved_config(cfg)
+        if not (run_dir / "config.yaml").exists():
+            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
     d.barrier()
     state = load_state(cfg)
     from transformers.utils import logging as hf_logging

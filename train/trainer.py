@@ -115,7 +115,7 @@ class StageTrainer:
             self.state["best"] = ts.get("best")
             self.tracker.write(f"stage {self.stage.name}: resumed from {tag} at step {step}")
         self.state["status"] = "running"
-        self._persist()
+        self.save_state()
         self.tracker.start_stage(self.stage.name, self.total_steps, step)
         start, start_step = time.time(), step
         while step < self.total_steps:
@@ -136,7 +136,7 @@ class StageTrainer:
                 checkpoint.save_resume(self.engine, self.d, self.dir, step,
                                        {"step": step, "best": self.state.get("best")})
                 self.state["last_checkpoint"] = str(checkpoint.latest_resume(self.dir))
-                self._persist()
+                self.save_state()
         self.tracker.end_stage()
         if not self.stage.validate:  # the last model is the stage's output
             checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", {"step": step})
@@ -144,7 +144,7 @@ class StageTrainer:
         self.state.update(status="done", steps_done=step,
                           seconds=self.state.get("seconds", 0.0) + time.time() - start,
                           steps_this_run=step - start_step)
-        self._persist()
+        self.save_state()
         self._release()
         return self.state
 
@@ -193,9 +193,6 @@ class StageTrainer:
             self.state["best"] = {"path": str(self.dir / "best"), **{k: metrics[k] for k in (
                 "step", "balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "val_loss")}}
             self.tracker.write(f"[{self.stage.name} step {step}] new best (BA {metrics['balanced_accuracy']:.3f})")
-
-    def _persist(self) -> None:
-        self.save_state()
 
     def _release(self) -> None:
         self.engine.destroy()
