@@ -190,3 +190,39 @@ def test_resume_with_a_different_config_is_refused(finished_run):
     assert r.returncode != 0
     assert "was created with a different config (differs in ['optim'])" in r.stderr
     assert (run_dir / "config.yaml").read_text() == before
+
+
+@pytest.mark.slow
+def test_non_finite_loss_stops_the_stage_with_a_message(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    bad = tmp_path / "nan_model"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3"))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(bad)
+    run_dir = tmp_path / "run"
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", f"model.path={bad}", "model.config=null",
+                  "parallel.sp_size=1", *TEST_OVERRIDES[:-1],
+                  "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 3, validate: false}]"], check=False)
+    assert r.returncode != 0, r.stderr[-2000:]  # torchrun reports a failed child as 1; the CLI exits 3
+    assert "stage a: loss is nan at step 1; stopped" in r.stderr
+    assert r.stderr.count("loss is nan") == 1
+    state = _state(run_dir)["stages"]["a"]
+    assert state["status"] == "failed" and state["error"] == "loss nan at step 1"
+
+
+@pytest.mark.slow
+def test_run_directory_in_use_is_refused(tmp_path):
+    import fcntl
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "w") as held:  # another job holds the run directory
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("host=elsewhere pid=1 slurm_job=42\n")
+        held.flush()
+        r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *TEST_OVERRIDES], check=False, timeout=120)
+    assert r.returncode != 0
+    assert "is in use by another job (host=elsewhere pid=1 slurm_job=42)" in r.stderr
+    assert not (run_dir / "state.json").exists()

@@ -82,6 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
             print(f"longsft: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from .trainer import TrainingError
+
+        if not isinstance(e, TrainingError):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"longsft: {e}", file=sys.stderr)
+        return 3
     print(f"longsft: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

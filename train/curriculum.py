@@ -60,6 +60,35 @@ def prepare_data(cfg: RunConfig, tokenizer) -> None:
                       cfg.data.seed)
 
 
+def lock_run_dir(run_dir):
+    """Hold an exclusive lock on ``run_dir/.lock`` for the life of this process (None if taken).
+
+    A kernel lock (flock), so a killed or preempted job never leaves a stale lock behind.
+    """
+    import fcntl
+    import os
+    import socket
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"host={socket.gethostname()} pid={os.getpid()} slurm_job={os.environ.get('SLURM_JOB_ID', '-')}\n")
+    f.flush()
+    return f
+
+
+def _lock_holder(run_dir) -> str:
+    try:
+        return (run_dir / ".lock").read_text().strip() or "unknown holder"
+    except OSError:
+        return "unknown holder"
+
+
 def check_model(cfg: RunConfig) -> None:
     """Checks that need only the model's config (no weights): head counts against the SP backend."""
     from .model import build_hf_config
@@ -92,8 +121,14 @@ def run(cfg: RunConfig) -> dict:
     run_dir = cfg.run_path
     check_resolved_config(cfg)  # every rank, so a mismatch fails everywhere instead of hanging a barrier
     d.barrier()
+    lock = None
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)
+    holder = distributed.broadcast_object(None if lock else _lock_holder(run_dir))
+    if holder is not None:
+        raise ConfigError(f"{run_dir} is in use by another job ({holder}); wait for it or use another run_dir")
+    if d.is_main:
         if not (run_dir / "config.yaml").exists():
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
     d.barrier()
@@ -119,7 +154,7 @@ def run(cfg: RunConfig) -> dict:
     t0 = time.time()
     for i, stage in enumerate(cfg.stages):
         entry = state["stages"][stage.name]
-        if entry["status"] == "done":
+        if entry["status"] == "done":  # "failed" and "running" stages resume from their last checkpoint
             tracker.write(f"stage {stage.name}: done, skipping (best: {entry.get('best', {}).get('path')})")
         else:
             entry["init_from"] = init_from
@@ -134,5 +169,7 @@ def run(cfg: RunConfig) -> dict:
         tracker.write(f"done in {state['seconds_this_run']:.0f} s; report: {run_dir / 'report.md'}")
     tracker.close()
     d.barrier()
+    if lock is not None:
+        lock.close()
     distributed.shutdown()
     return state

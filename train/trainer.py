@@ -22,6 +22,10 @@ from .tracker import Tracker, peak_memory_gb
 from .validation import is_better, run_validation
 
 
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the run directory keeps the last good state."""
+
+
 def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
 
@@ -121,9 +125,13 @@ class StageTrainer:
         while step < self.total_steps:
             rec = self._train_step(step)
             step += 1
-            if not math.isfinite(rec["loss"]):
-                raise FloatingPointError(f"stage {self.stage.name}: loss is {rec['loss']} at step {step}; "
-                                         f"the last good checkpoint is kept in {self.dir / 'ckpt'}")
+            if not math.isfinite(rec["loss"]):  # the loss is all-reduced: every rank stops here together
+                self.state["status"] = "failed"
+                self.state["error"] = f"loss {rec['loss']} at step {step}"
+                self.save_state()
+                raise TrainingError(f"stage {self.stage.name}: loss is {rec['loss']} at step {step}; stopped. The last "
+                                    f"good checkpoint stays in {self.dir / 'ckpt'} (rerun resumes from it; lower "
+                                    "the learning rate or check the data first)")
             if step % self.cfg.logging.log_every == 0 or step == self.total_steps:
                 self.tracker.log(rec)
             validate = self.stage.validate and (step % self.val_every == 0 or step == self.total_steps)
