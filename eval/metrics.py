@@ -61,31 +61,37 @@ def binary_metrics(y_true: list[int], y_pred: list[int]) -> dict[str, float]:
     return {"balanced_accuracy": ba, "mcc": mcc, "tp": tp, "tn": tn, "fp": fp, "fn": fn}
 
 
-def score_items(items: Iterable[Item], policy: InvalidPolicy = "wrong") -> dict:
+def score_items(items: Iterable[Item], policy: InvalidPolicy = "wrong", bootstrap: int = 0, seed: int = 0) -> dict:
     """Overall metrics plus per-bucket, per-language and per-type breakdowns.
 
     Returns a JSON-ready dict with at least ``balanced_accuracy``, ``mcc``, ``invalid_rate``,
-    ``contradiction_rate`` and ``n``.
+    ``contradiction_rate`` and ``n``; with ``bootstrap > 0`` also ``ci`` (95 % stratified
+    percentile intervals of BA and MCC) overall and per bucket/language.
     """
     rows = []
     for it in items:
         j = parse_judgement(it.prediction)
         gold = gold_label(it.gold_score)
         rows.append((it, j, gold, predicted_label(j, gold, policy)))
-    result = _summary(rows)
+    result = _summary(rows, bootstrap, seed)
     result["invalid_policy"] = policy
     for name, key in (("by_bucket", lambda it: it.bucket), ("by_language", lambda it: it.language)):
         groups: dict[str, list] = defaultdict(list)
         for r in rows:
             if key(r[0]) is not None:
                 groups[str(key(r[0]))].append(r)
-        result[name] = {k: _summary(v) for k, v in sorted(groups.items(), key=lambda kv: _bucket_order(kv[0]))}
+        result[name] = {k: _summary(v, bootstrap, seed)
+                        for k, v in sorted(groups.items(), key=lambda kv: _bucket_order(kv[0]))}
     result["by_type"] = _type_recall(rows)
     return result
 
 
-def _summary(rows: list) -> dict:
+def _summary(rows: list, bootstrap: int = 0, seed: int = 0) -> dict:
     m = binary_metrics([r[2] for r in rows], [r[3] for r in rows])
+    if bootstrap and rows:
+        from .bootstrap import bootstrap_ci
+
+        m["ci"] = bootstrap_ci([r[2] for r in rows], [r[3] for r in rows], n=bootstrap, seed=seed)
     n = len(rows)
     m["n"] = n
     m["invalid_rate"] = sum(1 for r in rows if not r[1].valid) / n if n else 0.0

@@ -37,8 +37,12 @@ def format_table(result: dict) -> str:
     """Markdown table: overall, then per bucket and language."""
     lines = ["| slice | n | BA | MCC | invalid | contradiction |", "|---|---:|---:|---:|---:|---:|"]
 
+    def cell(m: dict, key: str) -> str:
+        ci = m.get("ci", {}).get(key)
+        return f"{m[key]:.3f}" + (f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci else "")
+
     def row(name: str, m: dict) -> None:
-        lines.append(f"| {name} | {m['n']} | {m['balanced_accuracy']:.3f} | {m['mcc']:.3f} | "
+        lines.append(f"| {name} | {m['n']} | {cell(m, 'balanced_accuracy')} | {cell(m, 'mcc')} | "
                      f"{m['invalid_rate']:.1%} | {m['contradiction_rate']:.1%} |")
 
     row("all", result)
@@ -57,8 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("predictions", help="JSONL with id, prediction, gold_score")
     ap.add_argument("--out", help="JSON output (default: <predictions>.scores.json)")
     ap.add_argument("--invalid-policy", default="wrong", choices=["wrong", "hallucinated", "faithful"])
+    ap.add_argument("--bootstrap", type=int, default=2000, help="replicates for 95%% CIs (0: none)")
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    result = score_items(load_predictions(args.predictions), args.invalid_policy)
+    result = score_items(load_predictions(args.predictions), args.invalid_policy, args.bootstrap, args.seed)
     out = Path(args.out or Path(args.predictions).with_suffix(".scores.json"))
     atomic_write_json(out, result)
     print(format_table(result))

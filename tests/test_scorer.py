@@ -129,6 +129,7 @@ def test_score_cli(tmp_path):
     out = json.loads((tmp_path / "s.json").read_text())
     assert out["n"] == 3 and out["invalid_rate"] == pytest.approx(1 / 3)
     assert {"balanced_accuracy", "mcc", "invalid_rate", "n"} <= set(out)
+    assert out["ci"]["balanced_accuracy"]["low"] <= out["balanced_accuracy"] <= out["ci"]["balanced_accuracy"]["high"]
     assert "| all | 3 |" in r.stdout
 
 
