@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -124,7 +125,12 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     deadline = time.time() + 300
     while not marker.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    os.killpg(p.pid, signal.SIGKILL)
+    # kill -9 the launcher and every rank (torchrun's workers do not die with it: orphans would go on
+    # training in the same run directory, which the run-dir lock refuses)
+    job = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    for proc in job:
+        proc.send_signal(signal.SIGKILL)
+    psutil.wait_procs(job, timeout=60)
     p.wait()
     state = _state(run_dir)
     assert state["stages"]["a"]["status"] == "running" and state["stages"]["a"]["steps_done"] < 8
@@ -226,3 +232,23 @@ def test_run_directory_in_use_is_refused(tmp_path):
     assert r.returncode != 0
     assert "is in use by another job (host=elsewhere pid=1 slurm_job=42)" in r.stderr
     assert not (run_dir / "state.json").exists()
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_ends_every_rank(tmp_path):
+    """kill -9 of torchrun alone: the ranks die with it instead of training on as orphans."""
+    over = TEST_OVERRIDES[:-1] + ["stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 500, validate: false}]"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           LAUNCH, "recipe=tiny", f"run_dir={tmp_path / 'run'}", *over]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not metrics.exists() and time.time() < deadline:  # training is under way
+        time.sleep(0.1)
+    ranks = psutil.Process(p.pid).children(recursive=True)
+    assert len([r for r in ranks if "curriculum.py" in " ".join(r.cmdline())]) == 2
+    p.kill()
+    p.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive

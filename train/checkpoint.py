@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .config import ConfigError
 from .io import atomic_write_json, recover_dir, replace_dir
 
 MANIFEST = "manifest.json"
@@ -55,7 +56,7 @@ def load_resume(engine, d, tag_dir: Path) -> dict:
     """Restore engine state and RNG from ``tag_dir``; returns its trainer_state."""
     manifest = json.loads((tag_dir / MANIFEST).read_text())
     if manifest["world_size"] != d.world_size:
-        raise RuntimeError(f"{tag_dir} was saved with {manifest['world_size']} ranks, this job has "
+        raise ConfigError(f"{tag_dir} was saved with {manifest['world_size']} ranks, this job has "
                            f"{d.world_size}; resume with the same number of processes")
     path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
                                      load_lr_scheduler_states=True)

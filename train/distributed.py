@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -78,8 +79,21 @@ class Dist:
             dist.barrier()
 
 
+def _die_with_launcher() -> None:
+    """Under torchrun, ask Linux to kill this rank when its launcher dies (kill -9, preemption):
+    torch's workers otherwise live on as orphans, still writing to the run directory."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def setup_env() -> None:
     """Environment that must exist before deepspeed is imported."""
+    _die_with_launcher()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if "RANK" not in os.environ:  # plain `python launch/...`: a world of one
