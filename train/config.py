@@ -286,12 +286,11 @@ def _convert(tp: Any, value: Any, key: str, where: dict[str, str]) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _convert(arg, value, key, where)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                continue
         raise ConfigError(_msg(key, where, f"{key!r} must be {_type_name(tp)}, got {value!r}"))
     if origin is Literal:
         if value not in args:

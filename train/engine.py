@@ -38,8 +38,8 @@ def build_ds_config(cfg: RunConfig, stage: StageConfig, world_size: int, hidden_
     o = cfg.optim
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     stage_n = zero.get("stage", 0)
-    _toggle_offload(zero, "offload_optimizer", cfg.deepspeed.offload_optimizer, path)
-    _toggle_offload(zero, "offload_param", cfg.deepspeed.offload_param, path)
+    _toggle_offload(zero, "offload_optimizer", cfg.deepspeed.offload_optimizer)
+    _toggle_offload(zero, "offload_param", cfg.deepspeed.offload_param)
     if "offload_param" in zero and stage_n != 3:
         raise ConfigError(f"{path}: offload_param needs ZeRO stage 3 (stage is {stage_n})")
     values = {
@@ -70,7 +70,7 @@ def build_ds_config(cfg: RunConfig, stage: StageConfig, world_size: int, hidden_
     return ds
 
 
-def _toggle_offload(zero: dict, key: str, want: bool | None, path: Path) -> None:
+def _toggle_offload(zero: dict, key: str, want: bool | None) -> None:
     if want is None:
         return
     if want:
