@@ -110,8 +110,9 @@ def _losses(run_dir, stage):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_result(tmp_path):
-    """SIGKILL the whole job after a mid-stage checkpoint; rerunning ends exactly like an uninterrupted run."""
+def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path):
+    """kill -9 one rank after a mid-stage checkpoint: the whole job ends quickly; rerunning the same
+    command ends exactly like an uninterrupted run, losing nothing before the last save."""
     over = TEST_OVERRIDES[:-1] + ["stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 8, every_steps: 4, "
                                   "save_every_steps: 2}]"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
@@ -119,23 +120,26 @@ def test_killed_run_resumes_to_the_same_result(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     marker = run_dir / "stages" / "a" / "ckpt" / "step_0000002" / "manifest.json"
     deadline = time.time() + 300
     while not marker.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    # kill -9 the launcher and every rank (torchrun's workers do not die with it: orphans would go on
-    # training in the same run directory, which the run-dir lock refuses)
-    job = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
-    for proc in job:
-        proc.send_signal(signal.SIGKILL)
-    psutil.wait_procs(job, timeout=60)
-    p.wait()
-    state = _state(run_dir)
-    assert state["stages"]["a"]["status"] == "running" and state["stages"]["a"]["steps_done"] < 8
+    ranks = [c for c in psutil.Process(p.pid).children(recursive=True) if "curriculum.py" in " ".join(c.cmdline())]
+    victim = next(c for c in ranks if c.environ().get("RANK") == "1")
+    victim.send_signal(signal.SIGKILL)
+    t0 = time.time()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0 and time.time() - t0 < 60, "the job must end quickly when a rank dies"
+    assert "Signal 9 (SIGKILL)" in err or "exitcode  : -9" in err, err[-3000:]
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive
+    state = _state(run_dir)["stages"]["a"]
+    assert state["status"] == "running" and 2 <= state["steps_done"] < 8
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
-    assert "resumed from" in r.stdout
+    # nothing before the last save is lost: the rerun starts from the newest complete checkpoint
+    assert f"resumed from {run_dir}/stages/a/ckpt/step_{state['steps_done']:07d} at step {state['steps_done']}" in r.stdout
     ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
     assert set(ref) == set(got)
     for key, m in ref.items():

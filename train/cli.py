@@ -1,9 +1,18 @@
 """The ``longsft`` command.
 
     longsft train recipe=tiny [key=value ...]     same as launch/curriculum.py (one process)
-    longsft config recipe=NAME [key=value ...]    print the resolved config, check it, exit
+    longsft config [--get KEY] recipe=NAME [key=value ...]
+                                                  print the resolved config (or one key), check it, exit
+    longsft status RUN_DIR                        stage table; exit 0 when every stage is done, else 1
+    longsft report DIR [DIR ...] [--out DIR]      aggregate run directories (a sweep root holds many)
+    longsft submit [--sweep FILE] [--nodes N] ... recipe=NAME [key=value ...]
+                                                  check, snapshot and sbatch a run or a sweep (--help)
+    longsft sweep FILE [--root DIR] [key=value]   check every task of a sweep file, list its run dirs
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
+
+Exit status: 0 done, 1 unfinished (status), 2 bad input, 3 training failed (e.g. NaN loss),
+75 stopped on request with a checkpoint (rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -54,6 +63,95 @@ def _data(argv: list[str]) -> int:
     return 0
 
 
+def _config(argv: list[str]) -> int:
+    key = None
+    if argv[:1] == ["--get"]:
+        if len(argv) < 2:
+            raise ConfigError("--get needs a key, e.g. --get run_dir")
+        key, argv = argv[1], argv[2:]
+    cfg = parse_run_args(argv)
+    if key is None:
+        print(dump_yaml(cfg), end="")
+        return 0
+    value = cfg
+    for part in key.split("."):
+        if not hasattr(value, part):
+            raise ConfigError(f"--get {key}: no key {part!r}")
+        value = getattr(value, part)
+    print(cfg.run_path if key == "run_dir" else value)
+    return 0
+
+
+def _status(argv: list[str]) -> int:
+    from .report import read_state, status_table
+
+    if len(argv) != 1:
+        raise ConfigError("usage: longsft status RUN_DIR")
+    state = read_state(argv[0])
+    print(status_table(state))
+    return 0 if all(s["status"] == "done" for s in state["stages"].values()) else 1
+
+
+def _report(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="longsft report", description="aggregate run directories")
+    ap.add_argument("dirs", nargs="+", help="run directories, or folders whose subfolders are runs (a sweep root)")
+    ap.add_argument("--out", help="where to write report.md/report.json (default: the only DIR given)")
+    ap.add_argument("--bootstrap", type=int, default=2000, help="replicates for 95%% CIs (0: none)")
+    args = ap.parse_args(argv)
+    from .report import aggregate
+
+    out = args.out or (args.dirs[0] if len(args.dirs) == 1 else None)
+    print(aggregate(args.dirs, out, args.bootstrap))
+    return 0
+
+
+def _sweep(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="longsft sweep", description="check a sweep file, or print one task's args")
+    ap.add_argument("file")
+    ap.add_argument("--root", help="task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")
+    ap.add_argument("--task", type=int, help="print this task's arguments (the array index) instead")
+    ap.add_argument("--print0", action="store_true", help="NUL-separated (for the array script)")
+    args, common = ap.parse_known_args(argv)
+    from .sweep import check_sweep, load_sweep, task_args
+
+    root = args.root or f"runs/sweeps/{os.path.splitext(os.path.basename(args.file))[0]}"
+    if args.task is None:
+        for task, cfg in check_sweep(args.file, root, common):
+            print(f"{task.index}\t{task.name}\t{cfg.run_path}")
+        return 0
+    tasks = load_sweep(args.file)
+    if not 0 <= args.task < len(tasks):
+        raise ConfigError(f"{args.file}: task {args.task} asked for; the file has tasks 0..{len(tasks) - 1}")
+    out = task_args(tasks[args.task], root, common)
+    print("\0".join(out) + "\0" if args.print0 else " ".join(out), end="" if args.print0 else "\n")
+    return 0
+
+
+def _submit(argv: list[str]) -> int:
+    from .slurm import Resources, submit
+
+    ap = argparse.ArgumentParser(prog="longsft submit", description="check, snapshot and sbatch a run or sweep")
+    ap.add_argument("--sweep", help="sweep file: submit an array job, one task per line")
+    ap.add_argument("--root", help="sweep: task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="0 for CPU-only nodes")
+    ap.add_argument("--nproc-per-node", type=int, help="processes per node (default: GPUs per node)")
+    ap.add_argument("--cpus-per-task", type=int)
+    ap.add_argument("--time")
+    ap.add_argument("--partition")
+    ap.add_argument("--account")
+    ap.add_argument("--job-name")
+    ap.add_argument("--max-parallel", type=int, help="sweep: at most this many tasks at once")
+    ap.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch option (repeat)")
+    ap.add_argument("--dry-run", action="store_true", help="prepare the submission folder, do not sbatch")
+    args, rest = ap.parse_known_args(argv)
+    res = Resources(args.nodes, args.gpus_per_node, args.nproc_per_node, args.cpus_per_task, args.time,
+                    args.partition, args.account, args.job_name, args.max_parallel, args.sbatch)
+    sub, job = submit(rest, res, args.sweep, args.root, args.dry_run)
+    print(f"submission: {sub}\n" + (f"job: {job}" if job else f"dry run: {sub / 'command.sh'}"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -69,27 +167,27 @@ def main(argv: list[str] | None = None) -> int:
 
             run(cfg)
             return 0
-        if cmd == "config":
-            print(dump_yaml(parse_run_args(rest)), end="")
-            return 0
+        handler = {"config": _config, "status": _status, "report": _report, "sweep": _sweep,
+                   "submit": _submit, "data": _data}.get(cmd)
+        if handler is not None:
+            return handler(rest)
         if cmd == "score":
             from longsft.eval.score import main as score_main
 
             return score_main(rest)
-        if cmd == "data":
-            return _data(rest)
     except (ConfigError, DataError) as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
             print(f"longsft: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
+        from .preempt import EXIT_STOPPED, StopRequested
         from .trainer import TrainingError
 
-        if not isinstance(e, TrainingError):
+        if not isinstance(e, (TrainingError, StopRequested)):
             raise
         if os.environ.get("RANK", "0") == "0":
             print(f"longsft: {e}", file=sys.stderr)
-        return 3
+        return EXIT_STOPPED if isinstance(e, StopRequested) else 3
     print(f"longsft: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -14,6 +14,7 @@ from . import distributed
 from .config import ConfigError, RunConfig, dump_yaml, to_dict, validate
 from .io import atomic_write_json, atomic_write_text
 from .model import build_tokenizer
+from .preempt import StopWatch
 from .report import write_report
 from .tracker import Tracker
 
@@ -150,6 +151,7 @@ def run(cfg: RunConfig) -> dict:
 
     from .trainer import StageTrainer  # deepspeed is imported only after the environment is set
 
+    stop = StopWatch(run_dir, d.is_main, d.device)
     init_from = None
     t0 = time.time()
     for i, stage in enumerate(cfg.stages):
@@ -158,7 +160,7 @@ def run(cfg: RunConfig) -> dict:
             tracker.write(f"stage {stage.name}: done, skipping (best: {entry.get('best', {}).get('path')})")
         else:
             entry["init_from"] = init_from
-            StageTrainer(cfg, i, d, tokenizer, tracker, entry, save, init_from).run()
+            StageTrainer(cfg, i, d, tokenizer, tracker, entry, save, init_from, stop).run()
             if d.is_main:
                 write_report(run_dir, state)
         init_from = entry["best"]["path"]

@@ -86,3 +86,98 @@ def _plots(run_dir: Path, records: list[dict], stages: list[str]) -> list[Path]:
         fig.savefig(out[-1], dpi=100)
         plt.close(fig)
     return out
+
+
+# ---------------------------------------------------------------- run status and aggregation
+
+
+def read_state(run_dir: str | Path) -> dict:
+    path = Path(run_dir) / "state.json"
+    if not path.exists():
+        from .config import ConfigError
+
+        raise ConfigError(f"{run_dir}: not a run directory (no state.json)")
+    import json
+
+    return json.loads(path.read_text())
+
+
+def status_table(state: dict) -> str:
+    lines = [f"recipe {state['recipe']}", "stage\tstatus\tsteps\tbest step\tBA"]
+    for name, s in state["stages"].items():
+        b = s.get("best") or {}
+        lines.append(f"{name}\t{s['status']}\t{s.get('steps_done', 0)}/{s.get('total_steps', '?')}\t"
+                     f"{b.get('step', '-')}\t{_fmt(b.get('balanced_accuracy'))}")
+    return "\n".join(lines)
+
+
+def find_runs(dirs: list[str | Path]) -> list[Path]:
+    """Run directories among ``dirs``: each one itself, or its subfolders that are runs (a sweep root)."""
+    runs = []
+    for d in map(Path, dirs):
+        if (d / "state.json").exists():
+            runs.append(d)
+        else:
+            found = sorted(p.parent for p in d.glob("*/state.json"))
+            if not found:
+                from .config import ConfigError
+
+                raise ConfigError(f"{d}: neither a run directory nor a folder of run directories (no state.json)")
+            runs += found
+    return runs
+
+
+def summarize_run(run_dir: Path, bootstrap: int = 0) -> dict:
+    """The run's last stage that has a best model: its validation metrics, with CIs when asked."""
+    import yaml
+
+    state = read_state(run_dir)
+    stages = state["stages"]
+    row = {"run": run_dir.name, "path": str(run_dir), "recipe": state["recipe"],
+           "stages_done": sum(s["status"] == "done" for s in stages.values()), "stages": len(stages),
+           "status": "done" if all(s["status"] == "done" for s in stages.values()) else next(
+               f"{n}: {s['status']}" for n, s in stages.items() if s["status"] != "done"),
+           "train_seconds": sum(s.get("seconds", 0.0) for s in stages.values())}
+    scored = [(n, s) for n, s in stages.items() if (s.get("best") or {}).get("balanced_accuracy") is not None]
+    if not scored:
+        return row
+    name, s = scored[-1]
+    row.update(stage=name, step=s["best"]["step"], balanced_accuracy=s["best"]["balanced_accuracy"],
+               mcc=s["best"]["mcc"], invalid_rate=s["best"].get("invalid_rate"))
+    preds = run_dir / "stages" / name / "val" / f"step_{s['best']['step']:07d}.jsonl"
+    if bootstrap and preds.exists():
+        from longsft.eval.metrics import score_items
+        from longsft.eval.score import load_predictions
+
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+        policy = (cfg.get("validation") or {}).get("invalid_policy", "wrong")
+        m = score_items(load_predictions(preds), policy, bootstrap)
+        row.update(n=m["n"], ci=m["ci"])
+    return row
+
+
+def aggregate(dirs: list[str | Path], out: str | Path | None = None, bootstrap: int = 2000) -> str:
+    """Markdown table of many runs (e.g. a sweep's tasks); also written to ``out``/report.{md,json}."""
+    rows = [summarize_run(r, bootstrap) for r in find_runs(dirs)]
+
+    def cell(r: dict, key: str) -> str:
+        if key not in r:
+            return "–"
+        ci = r.get("ci", {}).get(key)
+        return _fmt(r[key]) + (f" [{ci['low']:.3f}, {ci['high']:.3f}]" if ci else "")
+
+    lines = ["| run | recipe | status | stages | stage (best step) | n | BA [95% CI] | MCC [95% CI] | invalid | time |",
+             "|---|---|---|---:|---|---:|---|---|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['recipe']} | {r['status']} | {r['stages_done']}/{r['stages']} | "
+                     f"{r.get('stage', '–')} ({r.get('step', '–')}) | {r.get('n', '–')} | {cell(r, 'balanced_accuracy')} | "
+                     f"{cell(r, 'mcc')} | {_fmt(r.get('invalid_rate'), '.1%')} | {r['train_seconds']:.0f} s |")
+    table = "\n".join(lines)
+    if out is not None:
+        from .io import atomic_write_json
+
+        out = Path(out)
+        atomic_write_text(out / "report.md", "# longsft runs\n\n" + table + "\n\nBA/MCC: the last scored stage's best "
+                          "validation checkpoint; CIs: stratified percentile bootstrap of its predictions.\n")
+        atomic_write_json(out / "report.json", rows)
+    return table

@@ -18,6 +18,7 @@ from .engine import build_ds_config, build_engine
 from .io import write_jsonl
 from .loss import backward_scale, token_loss_sum
 from .model import build_hf_config, build_model
+from .preempt import StopRequested, StopWatch
 from .tracker import Tracker, peak_memory_gb
 from .validation import is_better, run_validation
 
@@ -55,9 +56,10 @@ class StageTrainer:
     """
 
     def __init__(self, cfg: RunConfig, index: int, d: Dist, tokenizer, tracker: Tracker, state: dict,
-                 save_state, init_from: str | None):
+                 save_state, init_from: str | None, stop: StopWatch | None = None):
         self.cfg, self.stage, self.d, self.tok = cfg, cfg.stages[index], d, tokenizer
         self.tracker, self.state, self.save_state, self.init_from = tracker, state, save_state, init_from
+        self.stop = stop
         self.dir = cfg.run_path / "stages" / self.stage.name
         self.pad_id = tokenizer.pad_token_id
 
@@ -139,12 +141,11 @@ class StageTrainer:
                 self.stage.save_every_steps and step % self.stage.save_every_steps == 0)
             if validate:
                 self._validate(step)
-            if save:
-                self.state["steps_done"] = step
-                checkpoint.save_resume(self.engine, self.d, self.dir, step,
-                                       {"step": step, "best": self.state.get("best")})
-                self.state["last_checkpoint"] = str(checkpoint.latest_resume(self.dir))
-                self.save_state()
+            stop = step < self.total_steps and self.stop is not None and self.stop.requested()
+            if save or stop:
+                self._save(step)
+            if stop:
+                self._stopped(step, start, start_step)
         self.tracker.end_stage()
         if not self.stage.validate:  # the last model is the stage's output
             checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", {"step": step})
@@ -155,6 +156,22 @@ class StageTrainer:
         self.save_state()
         self._release()
         return self.state
+
+    def _save(self, step: int) -> None:
+        self.state["steps_done"] = step
+        checkpoint.save_resume(self.engine, self.d, self.dir, step, {"step": step, "best": self.state.get("best")})
+        self.state["last_checkpoint"] = str(checkpoint.latest_resume(self.dir))
+        self.save_state()
+
+    def _stopped(self, step: int, start: float, start_step: int) -> None:
+        """A stop was requested and ``step`` is saved: record it and leave (the rerun resumes here)."""
+        self.stop.consume()
+        self.state.update(status="stopped", seconds=self.state.get("seconds", 0.0) + time.time() - start,
+                          steps_this_run=step - start_step)
+        self.save_state()
+        self.tracker.end_stage()
+        raise StopRequested(f"stage {self.stage.name}: stopped on request at step {step}/{self.total_steps}; "
+                            f"checkpoint saved in {self.state['last_checkpoint']}. Run the same command to resume")
 
     def _train_step(self, step: int) -> dict:
         t0 = time.time()

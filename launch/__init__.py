@@ -1,0 +1,1 @@
+"""Launch scripts: ``curriculum.py`` (torchrun entry point) and ``slurm/`` (sbatch scripts)."""

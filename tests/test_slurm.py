@@ -1,0 +1,178 @@
+"""SLURM: sweep files, `longsft submit`, and a real local slurmctld/slurmd running the sbatch scripts.
+
+The cluster tests submit the array sweep of the tiny recipe and the curriculum script, signal a
+running job as SLURM does before a time limit, and check that it checkpoints, requeues itself and
+ends exactly like an uninterrupted run.
+"""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+import slurm_cluster
+from conftest import ROOT, TEST_OVERRIDES, torchrun
+
+CLI = [sys.executable, "-m", "longsft.train.cli"]
+SWEEP = ROOT / "launch" / "slurm" / "tiny_sweep.txt"
+# one rank per array task (two run at once on two cores), one short validated stage
+SWEEP_OVERRIDES = ["parallel.sp_size=1", *TEST_OVERRIDES[:-1],
+                   "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"]
+REQUEUE_OVERRIDES = [*TEST_OVERRIDES[:-1], "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 8, every_steps: 4}]"]
+
+
+def cli(*args, cwd=ROOT, env=None, check=True):
+    r = subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
+    if check and r.returncode != 0:
+        raise AssertionError(f"longsft {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+# ---------------------------------------------------------------- without SLURM
+
+
+def test_sweep_lists_every_task_with_its_run_dir(tmp_path):
+    r = cli("sweep", str(SWEEP), "--root", str(tmp_path), "recipe=tiny")
+    names = [line.split("\t")[1] for line in r.stdout.splitlines()]
+    assert names == ["base", "lr_low", "seed_1"]
+    task = cli("sweep", str(SWEEP), "--root", str(tmp_path), "--task", "1", "--print0", "recipe=tiny", "optim.lr=9")
+    assert task.stdout.split("\0")[:-1] == ["recipe=tiny", "optim.lr=9", "optim.lr=1e-3", f"run_dir={tmp_path}/lr_low"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a optim.lrr=1\n", "bad.txt:1 (task a): override 'optim.lrr=1': unknown key 'optim.lrr' (did you mean 'optim.lr'?)"),
+    ("# c\n\nb 'open\n", "bad.txt:3: No closing quotation"),
+    ("a\nb seed=1\na seed=2\n", "bad.txt:3: task name 'a' is also on line 1"),
+    ("a seed\n", "bad.txt:1: 'seed' is not key=value"),
+    ("seed=1\n", "bad.txt:1: a line starts with the task name"),
+    ("a run_dir=/tmp/x\nb run_dir=/tmp/x\n", "bad.txt:2: task b trains in /tmp/x, as task a does"),
+    ("# only comments\n", "no task lines"),
+])
+def test_bad_sweep_lines_are_refused_before_submission(tmp_path, text, message):
+    bad = tmp_path / "bad.txt"
+    bad.write_text(text)
+    r = cli("submit", "--dry-run", "--sweep", str(bad), "--root", str(tmp_path / "root"), "recipe=tiny", check=False)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert not (tmp_path / "root").exists()
+
+
+def test_submit_checks_world_size_before_anything(tmp_path):
+    r = cli("submit", "--dry-run", "--gpus-per-node", "0", "--nproc-per-node", "3", "recipe=tiny",
+            f"run_dir={tmp_path / 'run'}", check=False)
+    assert r.returncode == 2
+    assert "parallel.sp_size=2 must divide the world size 3" in r.stderr and "--nodes 1 x 3" in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_dry_run_writes_a_self_contained_submission(tmp_path):
+    r = cli("submit", "--dry-run", "--nodes", "2", "--time", "1:00:00", "--sweep", str(SWEEP), "--root",
+            str(tmp_path), "--max-parallel", "2", "recipe=tiny")
+    sub = next((tmp_path / "submit").iterdir())
+    assert f"dry run: {sub / 'command.sh'}" in r.stdout
+    command = (sub / "command.sh").read_text()
+    for part in ("--nodes=2", "--gpus-per-node=8", "--time=1:00:00", "--array=0-2%2", f"PYTHONPATH={sub / 'code'}",
+                 str(sub / "array.sbatch")):
+        assert part in command
+    assert sorted(p.name for p in (sub / "configs").iterdir()) == ["base.yaml", "lr_low.yaml", "seed_1.yaml"]
+    assert "lr: 0.001" in (sub / "configs" / "lr_low.yaml").read_text()
+    # the job imports the snapshot, not the checkout
+    for f in ("train/cli.py", "eval/metrics.py", "recipes/tiny.yaml", "ds_configs/zero3_offload.json",
+              "launch/slurm/curriculum.sbatch"):
+        assert (sub / "code" / "longsft" / f).exists(), f
+    snap = subprocess.run([sys.executable, "-c", "import longsft.train.cli as m; print(m.__file__)"],
+                          env={"PYTHONPATH": str(sub / "code")}, capture_output=True, text=True)
+    assert snap.stdout.strip() == str(sub / "code" / "longsft" / "train" / "cli.py")
+    assert (sub / "code" / "git.txt").read_text().startswith("commit ")
+
+
+def test_status_exit_code_says_whether_the_run_is_finished(tmp_path):
+    state = {"recipe": "tiny", "stages": {"a": {"status": "done", "steps_done": 2, "total_steps": 2},
+                                          "b": {"status": "stopped", "steps_done": 1, "total_steps": 4}}}
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    r = cli("status", str(tmp_path), check=False)
+    assert r.returncode == 1 and "b\tstopped\t1/4" in r.stdout
+    state["stages"]["b"]["status"] = "done"
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    assert cli("status", str(tmp_path), check=False).returncode == 0
+    r = cli("status", str(tmp_path / "nope"), check=False)
+    assert r.returncode == 2 and "not a run directory" in r.stderr
+
+
+# ---------------------------------------------------------------- a real SLURM
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = slurm_cluster.unavailable()
+    if why:
+        pytest.skip(why)
+    c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
+    yield c
+    slurm_cluster.stop(c)
+
+
+def _losses(run_dir):
+    return {(m["kind"], m["step"]): m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.slow
+def test_array_sweep_trains_every_task_and_report_aggregates(cluster, tmp_path):
+    root = tmp_path / "sweep"
+    r = cli("submit", "--gpus-per-node", "0", "--nproc-per-node", "1", "--cpus-per-task", "1", "--sweep", str(SWEEP),
+            "--root", str(root), "recipe=tiny", *SWEEP_OVERRIDES, cwd=tmp_path, env=cluster.env)
+    job = r.stdout.split("job: ")[1].strip()
+    jobs = cluster.wait(job)
+    sub = next((root / "submit").iterdir())
+    logs = "\n".join(p.read_text() for p in sub.glob("slurm-*.out"))
+    assert [j["JobState"] for j in jobs] == ["COMPLETED"] * 3, logs
+    for name in ("base", "lr_low", "seed_1"):
+        state = json.loads((root / name / "state.json").read_text())
+        assert state["stages"]["a"]["status"] == "done"
+    assert "lr: 0.001" in (root / "lr_low" / "config.yaml").read_text()
+    assert "seed: 1" in (root / "seed_1" / "config.yaml").read_text()
+    # the tasks differ: lr_low and seed_1 train differently from base
+    base, low = _losses(root / "base"), _losses(root / "lr_low")
+    assert base[("train", 2)]["loss"] != low[("train", 2)]["loss"]
+    report = cli("report", str(root), "--bootstrap", "200")
+    assert report.stdout.count("| done | 1/1 |") == 3
+    rows = json.loads((root / "report.json").read_text())
+    assert [r["run"] for r in rows] == ["base", "lr_low", "seed_1"]
+    for row in rows:
+        assert 0 <= row["balanced_accuracy"] <= 1
+        assert row["ci"]["balanced_accuracy"]["low"] <= row["balanced_accuracy"] <= row["ci"]["balanced_accuracy"]["high"]
+    assert (root / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_signalled_job_checkpoints_requeues_and_ends_like_an_uninterrupted_run(cluster, tmp_path):
+    ref = tmp_path / "ref"
+    torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={ref}", *REQUEUE_OVERRIDES])
+    run_dir = tmp_path / "run"
+    r = cli("submit", "--gpus-per-node", "0", "--nproc-per-node", "2", "--cpus-per-task", "2", "recipe=tiny",
+            f"run_dir={run_dir}", *REQUEUE_OVERRIDES, cwd=tmp_path, env=cluster.env)
+    job = r.stdout.split("job: ")[1].strip()
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    assert metrics.exists(), cluster.logs()
+    # what SLURM does before a time limit with --signal=B:USR1@300
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+    end = cluster.wait(job)[0]
+    log = next((run_dir / "submit").iterdir()).joinpath(f"slurm-{job}.out").read_text()
+    assert end["JobState"] == "COMPLETED" and end["Restarts"] == "1", log
+    assert "SLURM asked to stop" in log and "requeueing job" in log
+    assert "stopped on request at step" in log and "resumed from" in log
+    state = json.loads((run_dir / "state.json").read_text())["stages"]["a"]
+    assert state["status"] == "done" and state["steps_done"] == 8
+    assert not (run_dir / "STOP").exists()
+    want, got = _losses(ref), _losses(run_dir)
+    assert set(want) == set(got)
+    for key, m in want.items():
+        if key[0] == "train":
+            assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key
+        else:
+            assert got[key]["balanced_accuracy"] == m["balanced_accuracy"]
+            assert got[key]["val_loss"] == pytest.approx(m["val_loss"], rel=1e-6)

@@ -1,0 +1,51 @@
+"""Stop requests: checkpoint at the next step and exit, so that a job can requeue itself.
+
+A stop is requested by ``SIGUSR1`` to any rank, or by creating ``<run_dir>/STOP`` (what the
+sbatch scripts do when SLURM signals the batch shell before the time limit: torchrun does not
+forward ``SIGUSR1`` to its workers). Ranks agree at step boundaries with one all-reduce, so every
+rank saves the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STOP_FILE = "STOP"
+EXIT_STOPPED = 75  # EX_TEMPFAIL: checkpointed, run the same command again to continue
+
+
+class StopRequested(RuntimeError):
+    """The run checkpointed and stopped on request; rerunning the same command resumes it."""
+
+
+class StopWatch:
+    """Watches for a stop request; :meth:`requested` is collective (call it on every rank)."""
+
+    def __init__(self, run_dir: Path, is_main: bool, device: torch.device):
+        self.path, self.is_main, self.device = Path(run_dir) / STOP_FILE, is_main, device
+        self._signalled = False
+        try:
+            signal.signal(signal.SIGUSR1, self._on_signal)
+        except ValueError:  # not the main thread (e.g. inside a test harness): the file still works
+            pass
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signalled = True
+
+    def requested(self) -> bool:
+        local = self._signalled or (self.is_main and self.path.exists())
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return local
+        flag = torch.tensor([int(local)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def consume(self) -> None:
+        """Forget the request once acted on (the file too), so that the resumed run trains on."""
+        self._signalled = False
+        if self.is_main:
+            self.path.unlink(missing_ok=True)
