@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, TEST_OVERRIDES, free_port, torchrun
+from longsft.train.checkpoint import latest_resume
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 # stage c trains with lr 0 from b's best: its output must be b's best, bit for bit
@@ -135,11 +136,12 @@ def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(t
     assert "Signal 9 (SIGKILL)" in err or "exitcode  : -9" in err, err[-3000:]
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive
-    state = _state(run_dir)["stages"]["a"]
-    assert state["status"] == "running" and 2 <= state["steps_done"] < 8
+    assert _state(run_dir)["stages"]["a"]["status"] == "running"
+    last = latest_resume(run_dir / "stages" / "a")
+    assert last is not None and last.name >= "step_0000002"
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
     # nothing before the last save is lost: the rerun starts from the newest complete checkpoint
-    assert f"resumed from {run_dir}/stages/a/ckpt/step_{state['steps_done']:07d} at step {state['steps_done']}" in r.stdout
+    assert f"resumed from {last} at step {int(last.name[5:])}" in r.stdout
     ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
     assert set(ref) == set(got)
     for key, m in ref.items():
@@ -256,3 +258,38 @@ def test_killing_the_launcher_ends_every_rank(tmp_path):
     p.wait()
     gone, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 350 MB filesystem (tmpfs): room for one tiny-recipe checkpoint (≈230 MB), not two."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=350m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.slow
+def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_disk):
+    over = TEST_OVERRIDES[:-1] + ["stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 4, validate: false, "
+                                  "save_every_steps: 2}]"]
+    ref_dir, run_dir = tmp_path / "ref", small_disk / "run"
+    torchrun([LAUNCH, "recipe=tiny", f"run_dir={ref_dir}", *over])
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over], check=False)
+    assert r.returncode != 0
+    assert "saving the checkpoint of step 4 failed" in r.stderr and "no space left on device" in r.stderr, r.stderr[-3000:]
+    kept = run_dir / "stages" / "a" / "ckpt" / "step_0000002"
+    assert f"the previous checkpoint {kept} is intact" in r.stderr
+    assert latest_resume(run_dir / "stages" / "a") == kept
+    assert json.loads((run_dir / "state.json").read_text())["stages"]["a"]["steps_done"] == 2
+    # space freed: the same command resumes from step 2 and ends like the uninterrupted run
+    subprocess.run(["mount", "-o", "remount,size=1g", str(small_disk)], check=True)
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
+    assert f"resumed from {kept} at step 2" in r.stdout
+    ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
+    assert set(ref) == set(got)
+    for key, m in ref.items():
+        assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key

@@ -41,6 +41,19 @@ def save_resume(engine, d, stage_dir: Path, step: int, trainer_state: dict, keep
     return ckpt_dir / tag
 
 
+def describe_save_error(e: Exception, where: Path) -> str:
+    """``e`` as a user should read it: torch reports a full disk as e.g. "unexpected pos 576 vs 534"."""
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename or where}"
+    if free < 64 * 2**20:
+        return f"no space left on device: {free / 2**20:.0f} MiB free in {where} ({e})"
+    return f"{e} ({free / 2**30:.1f} GiB free in {where})"
+
+
 def complete_tags(ckpt_dir: Path) -> list[Path]:
     """Complete checkpoint folders, oldest first."""
     tags = [p for p in ckpt_dir.glob("step_*") if (p / MANIFEST).exists()]
@@ -86,9 +99,16 @@ def export_hf(engine, tokenizer, d, out_dir: Path, extra: dict | None = None) ->
     d.barrier()
 
 
-def recover(stage_dir: Path) -> None:
-    """Repair an interrupted best-model swap (see :func:`longsft.train.io.replace_dir`)."""
-    recover_dir(stage_dir / "best")
+def recover(stage_dir: Path, d) -> None:
+    """Repair an interrupted best-model swap (see :func:`longsft.train.io.replace_dir`) and delete
+    checkpoint folders without a manifest (a save cut short: crash, disk full), freeing their space."""
+    if d.is_main:
+        recover_dir(stage_dir / "best")
+        complete = set(complete_tags(stage_dir / "ckpt"))
+        for tag in (stage_dir / "ckpt").glob("step_*"):
+            if tag.is_dir() and tag not in complete:
+                shutil.rmtree(tag, ignore_errors=True)
+    d.barrier()
 
 
 def _rng_state() -> dict:

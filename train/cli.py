@@ -181,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as e:
         from .preempt import EXIT_STOPPED, StopRequested
-        from .trainer import TrainingError
+        from .trainer import SaveError, TrainingError
 
         if not isinstance(e, (TrainingError, StopRequested)):
             raise
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" or isinstance(e, SaveError):  # a save fails on one rank only
             print(f"longsft: {e}", file=sys.stderr)
         return EXIT_STOPPED if isinstance(e, StopRequested) else 3
     print(f"longsft: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)

@@ -27,6 +27,10 @@ class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the run directory keeps the last good state."""
 
 
+class SaveError(TrainingError):
+    """A checkpoint could not be written (disk full, quota...); raised by the rank that failed."""
+
+
 def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
 
@@ -110,7 +114,7 @@ class StageTrainer:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> dict:
-        checkpoint.recover(self.dir)
+        checkpoint.recover(self.dir, self.d)
         self._data()
         self._engine()
         step = 0
@@ -158,8 +162,16 @@ class StageTrainer:
         return self.state
 
     def _save(self, step: int) -> None:
+        try:
+            checkpoint.save_resume(self.engine, self.d, self.dir, step, {"step": step, "best": self.state.get("best")})
+        except Exception as e:  # disk full, quota, I/O error: say so, and what is still there
+            prev = checkpoint.latest_resume(self.dir)
+            kept = (f"the previous checkpoint {prev} is intact and a rerun resumes from it" if prev else
+                    "this stage has no earlier checkpoint; a rerun restarts it")
+            why = checkpoint.describe_save_error(e, self.dir)
+            raise SaveError(f"rank {self.d.rank}: stage {self.stage.name}: saving the checkpoint of step {step} failed "
+                            f"({why}); {kept} (free space first)") from e
         self.state["steps_done"] = step
-        checkpoint.save_resume(self.engine, self.d, self.dir, step, {"step": step, "best": self.state.get("best")})
         self.state["last_checkpoint"] = str(checkpoint.latest_resume(self.dir))
         self.save_state()
 
