@@ -37,3 +37,21 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
     atomic_write_json(path, {"a": 2})
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_damage_names_what_is_wrong_with_a_checkpoint(tmp_path):
+    from longsft.train.checkpoint import complete_tags, damage
+
+    tag = tmp_path / "ckpt" / "step_0000004"
+    tag.mkdir(parents=True)
+    assert damage(tag) == "no manifest: the save was cut short"
+    (tag / "optim.pt").write_bytes(b"x" * 10)
+    atomic_write_json(tag / MANIFEST, {"step": 4, "files": {"optim.pt": 10, "rng.pt": 3}})
+    assert damage(tag) == "rng.pt is missing"
+    (tag / "rng.pt").write_bytes(b"abc")
+    assert damage(tag) is None and complete_tags(tmp_path / "ckpt") == [tag]
+    (tag / "optim.pt").write_bytes(b"x" * 4)
+    assert damage(tag) == "optim.pt has 4 bytes, the manifest says 10"
+    assert complete_tags(tmp_path / "ckpt") == []
+    (tag / MANIFEST).write_text("{trunc")
+    assert damage(tag) == "unreadable manifest"

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, TEST_OVERRIDES, free_port, torchrun
-from longsft.train.checkpoint import latest_resume
+from longsft.train.checkpoint import complete_tags, latest_resume
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 # stage c trains with lr 0 from b's best: its output must be b's best, bit for bit
@@ -49,9 +49,10 @@ def test_run_directory_layout(finished_run):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {m["kind"] for m in metrics} == {"train", "val"}
     assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in metrics if m["kind"] == "train")
-    # best + last only: one resumable checkpoint per stage
+    # a finished stage keeps its best model only: its resumable checkpoints are deleted
     for name in ("a", "b", "c"):
-        assert len(list((run_dir / "stages" / name / "ckpt").glob("step_*"))) == 1
+        assert not (run_dir / "stages" / name / "ckpt").exists()
+        assert (run_dir / "stages" / name / "best" / "model.safetensors").exists()
     # validation predictions are in `longsft score` format and score to the recorded metrics
     preds = sorted((run_dir / "stages" / "b" / "val").glob("step_*.jsonl"))
     assert len(preds) == 2
@@ -91,7 +92,7 @@ def test_stage_starts_from_previous_best(finished_run):
 def test_rerun_resumes_instead_of_retraining(finished_run):
     run_dir, _ = finished_run
     before = _state(run_dir)
-    ckpt = next((run_dir / "stages" / "b" / "ckpt").glob("step_*"))
+    ckpt = run_dir / "stages" / "b" / "best" / "model.safetensors"
     mtime = ckpt.stat().st_mtime
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *HANDOFF])
     assert r.stdout.count("done, skipping") == 3
@@ -112,8 +113,9 @@ def _losses(run_dir, stage):
 
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path):
-    """kill -9 one rank after a mid-stage checkpoint: the whole job ends quickly; rerunning the same
-    command ends exactly like an uninterrupted run, losing nothing before the last save."""
+    """kill -9 one rank after two mid-stage checkpoints: the whole job ends quickly. Then damage the
+    newest checkpoint (a truncated file): rerunning the same command detects it, resumes from the one
+    before and ends exactly like an uninterrupted run."""
     over = TEST_OVERRIDES[:-1] + ["stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 8, every_steps: 4, "
                                   "save_every_steps: 2}]"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
@@ -123,7 +125,7 @@ def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(t
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
-    marker = run_dir / "stages" / "a" / "ckpt" / "step_0000002" / "manifest.json"
+    marker = run_dir / "stages" / "a" / "ckpt" / "step_0000004" / "manifest.json"
     deadline = time.time() + 300
     while not marker.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -137,11 +139,15 @@ def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(t
     _, alive = psutil.wait_procs(ranks, timeout=30)
     assert not alive
     assert _state(run_dir)["stages"]["a"]["status"] == "running"
-    last = latest_resume(run_dir / "stages" / "a")
-    assert last is not None and last.name >= "step_0000002"
+    tags = complete_tags(run_dir / "stages" / "a" / "ckpt")
+    assert len(tags) == 2 and tags[-1].name >= "step_0000004"  # checkpoint.keep=2
+    optim = next(tags[-1].glob("*optim_states.pt"))
+    with open(optim, "r+b") as f:  # bit of a disk failure: the file loses its tail
+        f.truncate(optim.stat().st_size // 2)
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
-    # nothing before the last save is lost: the rerun starts from the newest complete checkpoint
-    assert f"resumed from {last} at step {int(last.name[5:])}" in r.stdout
+    assert f"deleted damaged checkpoint {tags[-1]} ({optim.name} has" in r.stdout
+    # nothing before the last good save is lost: the rerun starts from it
+    assert f"resumed from {tags[-2]} at step {int(tags[-2].name[5:])}" in r.stdout
     ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
     assert set(ref) == set(got)
     for key, m in ref.items():

@@ -1,9 +1,10 @@
 """Checkpoints: resumable DeepSpeed state (``last``) and the HF-format best model (``best``).
 
 Resumable checkpoints live in ``<stage>/ckpt/step_NNNNNNN``; a tag is complete only when its
-``manifest.json`` (written last, atomically, after every rank has finished writing) exists.
-Incomplete tags are ignored on resume and pruned on the next save. The best model is written
-to a temp folder and swapped in (:func:`longsft.train.io.replace_dir`).
+``manifest.json`` (written last, atomically, after every rank has finished writing) exists and
+every file it lists has the recorded size. Others are deleted on resume, which then uses the
+newest good one (``checkpoint.keep`` are kept, 2 by default). The best model is written to a temp
+folder and swapped in (:func:`longsft.train.io.replace_dir`).
 """
 
 from __future__ import annotations
@@ -23,22 +24,23 @@ from .io import atomic_write_json, recover_dir, replace_dir
 MANIFEST = "manifest.json"
 
 
-def save_resume(engine, d, stage_dir: Path, step: int, trainer_state: dict, keep: int = 1) -> Path:
-    """Save model+optimizer+scheduler shards, RNG and ``trainer_state``; collective."""
+def save_resume(engine, d, stage_dir: Path, step: int, trainer_state: dict, keep: int = 2) -> Path:
+    """Save model+optimizer+scheduler shards, RNG and ``trainer_state``; keep the newest ``keep``; collective."""
     ckpt_dir = stage_dir / "ckpt"
-    tag = f"step_{step:07d}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
-    torch.save(_rng_state(), ckpt_dir / tag / f"rng_rank{d.rank:05d}.pt")
+    tag_dir = ckpt_dir / f"step_{step:07d}"
+    engine.save_checkpoint(str(ckpt_dir), tag=tag_dir.name, save_latest=False)
+    torch.save(_rng_state(), tag_dir / f"rng_rank{d.rank:05d}.pt")
     d.barrier()
     if d.is_main:
-        atomic_write_json(ckpt_dir / tag / MANIFEST, {"step": step, "time": time.time(), "world_size": d.world_size,
-                                                      "trainer_state": trainer_state})
-        complete = complete_tags(ckpt_dir)
+        files = {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.name != MANIFEST}
+        atomic_write_json(tag_dir / MANIFEST, {"step": step, "time": time.time(), "world_size": d.world_size,
+                                               "files": files, "trainer_state": trainer_state})
+        good = complete_tags(ckpt_dir)
         for old in ckpt_dir.glob("step_*"):
-            if old.is_dir() and old.name != tag and (old not in complete[-keep:]):
+            if old.is_dir() and old != tag_dir and old not in good[-keep:]:
                 shutil.rmtree(old, ignore_errors=True)
     d.barrier()
-    return ckpt_dir / tag
+    return tag_dir
 
 
 def describe_save_error(e: Exception, where: Path) -> str:
@@ -54,10 +56,27 @@ def describe_save_error(e: Exception, where: Path) -> str:
     return f"{e} ({free / 2**30:.1f} GiB free in {where})"
 
 
+def damage(tag_dir: Path) -> str | None:
+    """Why ``tag_dir`` cannot be resumed from, or None. Checks what the manifest lists (names, sizes)."""
+    path = tag_dir / MANIFEST
+    if not path.exists():
+        return "no manifest: the save was cut short"
+    try:
+        files = json.loads(path.read_text()).get("files", {})
+    except ValueError:
+        return "unreadable manifest"
+    for name, size in files.items():
+        f = tag_dir / name
+        if not f.exists():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
 def complete_tags(ckpt_dir: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    tags = [p for p in ckpt_dir.glob("step_*") if (p / MANIFEST).exists()]
-    return sorted(tags, key=lambda p: p.name)
+    """Checkpoint folders that can be resumed from, oldest first."""
+    return sorted((p for p in ckpt_dir.glob("step_*") if p.is_dir() and damage(p) is None), key=lambda p: p.name)
 
 
 def latest_resume(stage_dir: Path) -> Path | None:
@@ -71,8 +90,12 @@ def load_resume(engine, d, tag_dir: Path) -> dict:
     if manifest["world_size"] != d.world_size:
         raise ConfigError(f"{tag_dir} was saved with {manifest['world_size']} ranks, this job has "
                            f"{d.world_size}; resume with the same number of processes")
-    path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
-                                     load_lr_scheduler_states=True)
+    try:
+        path, _ = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+    except Exception as e:  # damage the size check cannot see (bit rot, a foreign file)
+        raise RuntimeError(f"could not load checkpoint {tag_dir} ({e}); move that folder away to resume from the "
+                           "one before it (or restart the stage when there is none)") from e
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load the checkpoint in {tag_dir}")
     rng = tag_dir / f"rng_rank{d.rank:05d}.pt"
@@ -99,15 +122,26 @@ def export_hf(engine, tokenizer, d, out_dir: Path, extra: dict | None = None) ->
     d.barrier()
 
 
-def recover(stage_dir: Path, d) -> None:
-    """Repair an interrupted best-model swap (see :func:`longsft.train.io.replace_dir`) and delete
-    checkpoint folders without a manifest (a save cut short: crash, disk full), freeing their space."""
+def recover(stage_dir: Path, d) -> list[str]:
+    """Repair an interrupted best-model swap (:func:`longsft.train.io.replace_dir`) and delete
+    checkpoint folders that cannot be resumed from (a save cut short by a crash or a full disk,
+    a truncated file), freeing their space; collective. Returns what was deleted and why (rank 0)."""
+    notes = []
     if d.is_main:
         recover_dir(stage_dir / "best")
-        complete = set(complete_tags(stage_dir / "ckpt"))
-        for tag in (stage_dir / "ckpt").glob("step_*"):
-            if tag.is_dir() and tag not in complete:
+        for tag in sorted((stage_dir / "ckpt").glob("step_*")):
+            why = damage(tag) if tag.is_dir() else None
+            if why:
                 shutil.rmtree(tag, ignore_errors=True)
+                notes.append(f"deleted damaged checkpoint {tag} ({why})")
+    d.barrier()
+    return notes
+
+
+def drop_resume(stage_dir: Path, d) -> None:
+    """Delete a finished stage's resumable checkpoints (its output is the best model); collective."""
+    if d.is_main:
+        shutil.rmtree(stage_dir / "ckpt", ignore_errors=True)
     d.barrier()
 
 

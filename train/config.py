@@ -127,6 +127,14 @@ class StageConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Resumable (DeepSpeed) checkpoints. Each stage's best HF model is kept regardless."""
+
+    keep: int = 2  # complete checkpoints per stage: a damaged newest one falls back to the one before
+    keep_finished: bool = False  # keep resumable checkpoints of finished stages (their output is the best model)
+
+
+@dataclass
 class LoggingConfig:
     log_every: int = 1
     progress: bool = True
@@ -146,6 +154,7 @@ class RunConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     stages: list[StageConfig] = field(default_factory=list)
 
@@ -398,6 +407,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("optim.micro_batch_size and optim.grad_accum must be >= 1")
     if cfg.parallel.sp_size < 1:
         raise ConfigError("parallel.sp_size must be >= 1")
+    if cfg.checkpoint.keep < 1:
+        raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the last checkpoint is what resumes)")
     from .sequence_parallel import check_backend
 
     check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size, cfg.data.packing)

@@ -114,7 +114,8 @@ class StageTrainer:
     # ------------------------------------------------------------------ loop
 
     def run(self) -> dict:
-        checkpoint.recover(self.dir, self.d)
+        for note in checkpoint.recover(self.dir, self.d):
+            self.tracker.write(f"stage {self.stage.name}: {note}")
         self._data()
         self._engine()
         step = 0
@@ -158,12 +159,15 @@ class StageTrainer:
                           seconds=self.state.get("seconds", 0.0) + time.time() - start,
                           steps_this_run=step - start_step)
         self.save_state()
+        if not self.cfg.checkpoint.keep_finished:
+            checkpoint.drop_resume(self.dir, self.d)
         self._release()
         return self.state
 
     def _save(self, step: int) -> None:
         try:
-            checkpoint.save_resume(self.engine, self.d, self.dir, step, {"step": step, "best": self.state.get("best")})
+            checkpoint.save_resume(self.engine, self.d, self.dir, step, {"step": step, "best": self.state.get("best")},
+                                   self.cfg.checkpoint.keep)
         except Exception as e:  # disk full, quota, I/O error: say so, and what is still there
             prev = checkpoint.latest_resume(self.dir)
             kept = (f"the previous checkpoint {prev} is intact and a rerun resumes from it" if prev else
