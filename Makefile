@@ -8,7 +8,7 @@ NPROC ?= 2
 export LONGSFT_CACHE ?= $(CURDIR)/.cache/longsft
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean slurm-deps
 
 install: $(VENV)/.installed
 
@@ -27,6 +27,11 @@ test: install
 
 bench: install
 	$(PY) bench/tiny_curriculum.py
+
+# Debian/Ubuntu, as root: the SLURM daemons the SLURM tests start (skipped with a reason without them).
+slurm-deps:
+	command -v slurmctld >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
 
 clean:
 	rm -rf runs .cache
