@@ -100,3 +100,30 @@ def test_config_get_of_an_unknown_key(capsys):
     assert "--get optim.lrr: no key 'lrr'" in capsys.readouterr().err
     assert main(["config", "--get", "optim.lr", "recipe=tiny"]) == 0
     assert capsys.readouterr().out.strip() == "0.005"
+
+
+def test_cross_field_stage_names_and_model():
+    with pytest.raises(ConfigError, match=r"stage names must be unique, repeated: \['a'\]"):
+        validate(load_config("tiny", ["stages=[{name: a, bucket: '512'}, {name: a, bucket: 1k}]"]))
+    with pytest.raises(ConfigError, match="model.path or model.config must be set"):
+        validate(load_config("tiny", ["model.config=null"]))
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": 1, "prediction": "x"}', "pred.jsonl:1: missing field(s) ['gold_score']"),
+    ('{"id": 1, "prediction": "x", "gold_score": 7}', "pred.jsonl:1: gold_score must be a number in 0..5, got 7"),
+])
+def test_predictions_to_score(tmp_path, line, message):
+    from longsft.eval.score import load_predictions
+
+    (tmp_path / "pred.jsonl").write_text(line + "\n")
+    with pytest.raises(DataError) as e:
+        load_predictions(tmp_path / "pred.jsonl")
+    assert message in str(e.value)
+
+
+def test_report_of_a_folder_without_runs(tmp_path):
+    from longsft.train.report import aggregate
+
+    with pytest.raises(ConfigError, match="neither a run directory nor a folder of run directories"):
+        aggregate([tmp_path])
