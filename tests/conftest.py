@@ -92,3 +92,23 @@ def compare_steps(ref_path, got_path, rel_loss=1e-6, rel_grad=1e-5):
         assert err < rel_grad, f"{name}: relative gradient error {err:.2e}"
         worst = max(worst, err)
     return worst
+
+
+def run_metrics(run_dir, stage: str | None = None) -> dict:
+    """metrics.jsonl as {(kind, step): record}, newest record per step (a resumed run re-logs steps)."""
+    import json
+
+    recs = (json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines())
+    return {(m["kind"], m["step"]): m for m in recs if stage is None or m["stage"] == stage}
+
+
+def assert_same_run(ref_dir, run_dir, stage: str | None = None) -> None:
+    """An interrupted-and-resumed run logged exactly what the uninterrupted one did."""
+    ref, got = run_metrics(ref_dir, stage), run_metrics(run_dir, stage)
+    assert set(ref) == set(got)
+    for key, m in ref.items():
+        if key[0] == "train":
+            assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key
+        else:
+            assert got[key]["balanced_accuracy"] == m["balanced_accuracy"], key
+            assert got[key]["val_loss"] == pytest.approx(m["val_loss"], rel=1e-6), key

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, TEST_OVERRIDES, free_port, torchrun
+from conftest import ROOT, TEST_OVERRIDES, assert_same_run, free_port, torchrun
 from longsft.train.checkpoint import complete_tags, latest_resume
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
@@ -102,15 +102,6 @@ def test_rerun_resumes_instead_of_retraining(finished_run):
     assert ckpt.stat().st_mtime == mtime
 
 
-def _losses(run_dir, stage):
-    recs = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        if m["stage"] == stage:
-            recs[(m["kind"], m["step"])] = m
-    return recs
-
-
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path):
     """kill -9 one rank after two mid-stage checkpoints: the whole job ends quickly. Then damage the
@@ -148,14 +139,7 @@ def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(t
     assert f"deleted damaged checkpoint {tags[-1]} ({optim.name} has" in r.stdout
     # nothing before the last good save is lost: the rerun starts from it
     assert f"resumed from {tags[-2]} at step {int(tags[-2].name[5:])}" in r.stdout
-    ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
-    assert set(ref) == set(got)
-    for key, m in ref.items():
-        if key[0] == "train":
-            assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key
-        else:
-            assert got[key]["balanced_accuracy"] == m["balanced_accuracy"]
-            assert got[key]["val_loss"] == pytest.approx(m["val_loss"], rel=1e-6)
+    assert_same_run(ref_dir, run_dir, "a")
     assert _state(run_dir)["stages"]["a"]["best"]["step"] == _state(ref_dir)["stages"]["a"]["best"]["step"]
 
 
@@ -188,7 +172,7 @@ def test_one_process_bf16_zero2_with_offline_wandb(tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", "model.dtype=bf16", "deepspeed.config=zero2",
+    torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", "model.dtype=bf16", "deepspeed.config=zero2",
                   "parallel.sp_size=1",
                   "logging.wandb=true", *TEST_OVERRIDES[:-1],
                   "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"], nproc=1,
@@ -295,7 +279,4 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_di
     subprocess.run(["mount", "-o", "remount,size=1g", str(small_disk)], check=True)
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
     assert f"resumed from {kept} at step 2" in r.stdout
-    ref, got = _losses(ref_dir, "a"), _losses(run_dir, "a")
-    assert set(ref) == set(got)
-    for key, m in ref.items():
-        assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key
+    assert_same_run(ref_dir, run_dir, "a")

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import slurm_cluster
-from conftest import ROOT, TEST_OVERRIDES, torchrun
+from conftest import ROOT, TEST_OVERRIDES, assert_same_run, run_metrics, torchrun
 
 CLI = [sys.executable, "-m", "longsft.train.cli"]
 SWEEP = ROOT / "launch" / "slurm" / "tiny_sweep.txt"
@@ -113,10 +113,6 @@ def cluster(tmp_path_factory):
     slurm_cluster.stop(c)
 
 
-def _losses(run_dir):
-    return {(m["kind"], m["step"]): m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
 @pytest.mark.slow
 def test_array_sweep_trains_every_task_and_report_aggregates(cluster, tmp_path):
     root = tmp_path / "sweep"
@@ -133,7 +129,7 @@ def test_array_sweep_trains_every_task_and_report_aggregates(cluster, tmp_path):
     assert "lr: 0.001" in (root / "lr_low" / "config.yaml").read_text()
     assert "seed: 1" in (root / "seed_1" / "config.yaml").read_text()
     # the tasks differ: lr_low and seed_1 train differently from base
-    base, low = _losses(root / "base"), _losses(root / "lr_low")
+    base, low = run_metrics(root / "base"), run_metrics(root / "lr_low")
     assert base[("train", 2)]["loss"] != low[("train", 2)]["loss"]
     report = cli("report", str(root), "--bootstrap", "200")
     assert report.stdout.count("| done | 1/1 |") == 3
@@ -168,11 +164,4 @@ def test_signalled_job_checkpoints_requeues_and_ends_like_an_uninterrupted_run(c
     state = json.loads((run_dir / "state.json").read_text())["stages"]["a"]
     assert state["status"] == "done" and state["steps_done"] == 8
     assert not (run_dir / "STOP").exists()
-    want, got = _losses(ref), _losses(run_dir)
-    assert set(want) == set(got)
-    for key, m in want.items():
-        if key[0] == "train":
-            assert got[key]["loss"] == pytest.approx(m["loss"], rel=1e-6), key
-        else:
-            assert got[key]["balanced_accuracy"] == m["balanced_accuracy"]
-            assert got[key]["val_loss"] == pytest.approx(m["val_loss"], rel=1e-6)
+    assert_same_run(ref, run_dir)
