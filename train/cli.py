@@ -10,6 +10,8 @@
     longsft sweep FILE [--root DIR] [key=value]   check every task of a sweep file, list its run dirs
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
+    longsft data extend UNITS.jsonl --out DIR [--buckets 16k,32k,64k,100k] [--resume]
+    longsft data ablation SAMPLES.jsonl ... --out DIR [--sizes 1000,2000,all]
 
 Exit status: 0 done, 1 unfinished (status), 2 bad input, 3 training failed (e.g. NaN loss),
 75 stopped on request with a checkpoint (rerun the same command to resume).
@@ -52,8 +54,40 @@ def _data(argv: list[str]) -> int:
     s.add_argument("--n", type=int, default=16, help="train samples per language and bucket")
     s.add_argument("--n-validation", type=int, default=4)
     s.add_argument("--seed", type=int, default=42)
+    e = sub.add_parser("extend", help="textual units of books -> samples in token-length buckets")
+    e.add_argument("units", help="JSONL: book, unit, language, text, summary (a book's units contiguous, in order)")
+    e.add_argument("--out", required=True)
+    e.add_argument("--buckets", default="16k,32k,64k,100k", help="names (default bounds) or name=lower:upper")
+    e.add_argument("--tokenizer", default="qwen", help="qwen (the Qwen3 vocabulary, offline) or an HF path")
+    e.add_argument("--resume", action="store_true", help="continue an interrupted build in --out")
+    a = sub.add_parser("ablation", help="Table 5 training sets (mma_only, mma_erhg) x sizes + held-out sets")
+    a.add_argument("inputs", nargs="+", help="JSONL samples with bucket and source (human/mma/erhg)")
+    a.add_argument("--out", required=True)
+    a.add_argument("--sizes", default="all", help="training-set sizes, e.g. 1000,2000,all")
+    a.add_argument("--val-articles", type=int, default=20, help="held-out validation articles per bucket")
+    a.add_argument("--test-articles", type=int, default=50, help="held-out test articles per bucket")
+    a.add_argument("--seed", type=int, default=42)
     args = ap.parse_args(argv)
+    if args.cmd == "ablation":
+        from .ablation import build_ablation, parse_sizes
+
+        m = build_ablation(args.inputs, args.out, parse_sizes(args.sizes), args.val_articles, args.test_articles,
+                           args.seed)
+        for name, counts in m["sets"].items():
+            print(f"{name}: " + ", ".join(f"{b} {c['n']} ({c['hallucinated']} hallucinated)" for b, c in counts.items()))
+        print(f"sweep file: {args.out}/table5.sweep")
+        return 0
     from .model import qwen_tokenizer
+
+    if args.cmd == "extend":
+        from transformers import AutoTokenizer
+
+        from .extend import build, format_stats, parse_buckets
+
+        buckets = parse_buckets(args.buckets)
+        tok = qwen_tokenizer() if args.tokenizer == "qwen" else AutoTokenizer.from_pretrained(args.tokenizer)
+        print(format_stats(build(args.units, args.out, buckets, tok, args.resume)))
+        return 0
     from .sample_data import write_sample_data
 
     paths = write_sample_data(args.out, qwen_tokenizer(), args.buckets.split(","), args.n, args.n_validation,

@@ -150,3 +150,25 @@ def write_sample_data(out_dir: str | Path, tokenizer, buckets: list[str], n_per_
             write_jsonl(paths[split], recs)
         out[bucket] = paths
     return out
+
+
+def synthetic_book(rng: random.Random, book: str, lang: str, n_units: int, unit_chars: tuple[int, int]) -> list[dict]:
+    """Units of an offline "book" for ``longsft data extend``: filler prose with one fact per
+    paragraph, the unit's summary being its facts. ``unit_chars``: (min, max) characters per unit."""
+    world, _ = _facts(rng, lang)
+    sep = " " if lang == "en" else ""
+    units = []
+    for u in range(1, n_units + 1):
+        target, paragraphs, facts, size = rng.randint(*unit_chars), [], [], 0
+        while size < target:
+            kind, f = rng.choice(_facts(rng, lang)[1])
+            fact = _say(lang, kind, f)
+            sents = [rng.choice(_FILLER[lang]).format(a=rng.choice(world["names"]), p=rng.choice(world["places"]))
+                     for _ in range(rng.randint(3, 6))]
+            sents.insert(rng.randrange(len(sents) + 1), fact)
+            facts.append(fact)
+            paragraphs.append(sep.join(sents))
+            size += len(paragraphs[-1]) + 1
+        units.append({"book": book, "unit": u, "language": lang, "text": "\n".join(paragraphs),
+                      "summary": sep.join(facts[:3])})
+    return units
