@@ -11,7 +11,8 @@ window starts after it (windows of one bucket never overlap, so no text is share
 samples of a bucket). A start whose first fitting growth already overshoots ``upper`` moves on by
 one unit; what is left at a book's end below ``lower`` is discarded (the residue rule); a unit
 without a summary ends the window (a summary must cover the whole article). Every count is the
-exact token count of the joined article.
+exact token count of the joined article, computed from per-unit counts and a correction at each
+join (:meth:`Builder.join_corrections`), so the text is tokenized once, not once per bucket.
 
 Streams one book at a time. Output: ``<out>/<bucket>/samples.jsonl`` (the richer sample form,
 gold_score 5, source "human"), ``<out>/stats.json``, ``<out>/problems.jsonl`` (each skipped unit or
@@ -127,43 +128,30 @@ def read_books(path: str | Path, problems: list) -> Iterator[list[Unit]]:
         yield units
 
 
-def windows(counts: list[int], usable: list[bool], lower: int, upper: int, sep: int,
-            exact) -> Iterator[tuple[int, int, int] | tuple[str, int]]:
-    """Windows ``(first, last, tokens)`` over units with these token ``counts``; also yields
-    ``("residue", n_units)`` and ``("overshoot", start)`` events. ``exact(i, j)`` counts the
-    joined article exactly (estimates from per-unit counts only choose where to look)."""
-    n, i = len(counts), 0
+def windows(n: int, usable: list[bool], lower: int, upper: int,
+            count) -> Iterator[tuple[int, int, int] | tuple[str, int]]:
+    """Windows ``(first, last, tokens)`` over ``n`` units, ``count(i, j)`` being the exact token
+    count of units i..j joined; also yields ``("residue", n_units)`` and ``("overshoot", start)``."""
+    i = 0
     while i < n:
         if not usable[i]:
             i += 1
             continue
-        total, j = 0, i
-        while j < n and usable[j]:
-            total += counts[j] + (sep if j > i else 0)
-            if total >= lower - 8:  # per-unit sums are within a few tokens of the joined count
-                break
+        j = i
+        while count(i, j) < lower and j + 1 < n and usable[j + 1]:
             j += 1
-        if j == n or not usable[j]:
-            if j == n:
-                yield ("residue", j - i)
-                return
-            i = j + 1  # a unit without summary cuts the window short: start after it
-            continue
-        tokens = exact(i, j)
-        while tokens < lower and j + 1 < n and usable[j + 1]:
-            j += 1
-            tokens = exact(i, j)
+        tokens = count(i, j)
         if lower <= tokens <= upper:
             yield (i, j, tokens)
             i = j + 1
-        elif tokens < lower:  # ran out of units (book end or a unit without summary)
-            if j + 1 >= n:
-                yield ("residue", n - i)
-                return
-            i = j + 2
-        else:
+        elif tokens > upper:
             yield ("overshoot", i)
             i += 1
+        elif j + 1 >= n:  # the book ended below the lower bound: the residue is discarded
+            yield ("residue", n - i)
+            return
+        else:  # the next unit has no summary: no window spans it
+            i = j + 2
 
 
 class Builder:
@@ -198,6 +186,21 @@ class Builder:
     def count(self, texts: list[str]) -> list[int]:
         return [len(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
+    def join_corrections(self, units: list[Unit], edge: int = 64) -> list[int]:
+        """Per join k (units k, k+1): tokens(A + SEP + B) - tokens(A) - tokens(SEP) - tokens(B).
+
+        BPE works within pre-tokens, so only the pre-tokens next to the join can differ (e.g. "。"
+        and "\n\n" become one); counting ``edge`` characters each side of every join gives the exact
+        count of any window from per-unit counts, tokenizing the text once (tests check it against
+        tokenizing every sample's article)."""
+        if len(units) < 2:
+            return []
+        tails = [u.text[-edge:] for u in units[:-1]]
+        heads = [u.text[:edge] for u in units[1:]]
+        c = self.count(tails + heads + [t + SEP + h for t, h in zip(tails, heads)])
+        k = len(tails)
+        return [c[2 * k + i] - c[i] - c[k + i] - self.sep for i in range(k)]
+
     def add_book(self, units: list[Unit], problems: list) -> None:
         book = units[0].book
         if book in self.done_books:
@@ -207,19 +210,22 @@ class Builder:
         for p in problems:
             self._write("problems", p)
         counts = self.count([u.text for u in units])
+        joins = self.join_corrections(units)
+        prefix = [0]
+        for k, c in enumerate(counts):  # prefix[k+1]: units 0..k joined, as if tokenized apart, corrected
+            prefix.append(prefix[-1] + c + (self.sep + joins[k - 1] if k else 0))
         usable = [bool(u.summary) for u in units]
         smallest = min(b.lower for b in self.buckets)
-        total = sum(counts) + self.sep * (len(units) - 1)
-        if total < smallest:
+        if prefix[-1] < smallest:
             self._write("problems", {"id": book, "line": units[0].line,
-                                     "problem": f"book has {total} tokens, fewer than the smallest bucket's lower "
+                                     "problem": f"book has {prefix[-1]} tokens, fewer than the smallest bucket's lower "
                                                 f"bound {smallest}: no sample"})
 
         def exact(i: int, j: int) -> int:
-            return self.count([SEP.join(u.text for u in units[i:j + 1])])[0]
+            return prefix[j + 1] - prefix[i] - (self.sep + joins[i - 1] if i else 0)
 
         for b in self.buckets:
-            for w in windows(counts, usable, b.lower, b.upper, self.sep, exact):
+            for w in windows(len(units), usable, b.lower, b.upper, exact):
                 if w[0] == "residue":
                     self.stats.residue_units[b.name] += w[1]
                 elif w[0] == "overshoot":
