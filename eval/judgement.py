@@ -99,6 +99,12 @@ def parse_judgement(text: str | None) -> Judgement:
     return _from_plain_text(text)
 
 
+def extract_json_object(text: str | None) -> dict | None:
+    """The last JSON object in a model reply (thinking blocks skipped, light repair), or None."""
+    objs = _json_objects(_strip_thinking(text or ""))
+    return objs[-1] if objs else None
+
+
 def _strip_thinking(text: str) -> str:
     text = _THINK.sub("", text)
     if "</think>" in text:  # the template opened <think> inside the prompt

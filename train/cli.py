@@ -11,6 +11,8 @@
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
     longsft data extend UNITS.jsonl --out DIR [--buckets 16k,32k,64k,100k] [--resume]
+    longsft data erhg SAMPLES.jsonl --out F [--engine rules|llm --endpoint MODEL@URL]
+    longsft data mma SAMPLES.jsonl --out F --generator M@URL ... --judge M@URL --judge M@URL --arbiter M@URL
     longsft data ablation SAMPLES.jsonl ... --out DIR [--sizes 1000,2000,all]
 
 Exit status: 0 done, 1 unfinished (status), 2 bad input, 3 training failed (e.g. NaN loss),
@@ -67,7 +69,23 @@ def _data(argv: list[str]) -> int:
     a.add_argument("--val-articles", type=int, default=20, help="held-out validation articles per bucket")
     a.add_argument("--test-articles", type=int, default=50, help="held-out test articles per bucket")
     a.add_argument("--seed", type=int, default=42)
+    h = sub.add_parser("erhg", help="hallucinated summaries by entity-referenced edits (offline rules or an LLM)")
+    h.add_argument("input", help="JSONL of faithful samples (e.g. data extend output)")
+    h.add_argument("--out", required=True, help="output JSONL (problems and stats written next to it)")
+    h.add_argument("--engine", choices=["rules", "llm"], default="rules")
+    h.add_argument("--endpoint", help="llm engine: MODEL@http://host:port/v1 (OpenAI-compatible)")
+    h.add_argument("--multi", type=float, default=0.3, help="share of samples with three edits (gold 1), else one (gold 2)")
+    h.add_argument("--seed", type=int, default=42)
+    m = sub.add_parser("mma", help="summaries by generator models, scored by two judges and an arbiter")
+    m.add_argument("input", help="JSONL samples whose articles to summarise")
+    m.add_argument("--out", required=True)
+    m.add_argument("--generator", action="append", required=True, help="MODEL@URL (repeat)")
+    m.add_argument("--judge", action="append", required=True, help="MODEL@URL (exactly twice)")
+    m.add_argument("--arbiter", required=True, help="MODEL@URL")
+    m.add_argument("--max-gap", type=int, default=1, help="judges agree within this many points (same label)")
     args = ap.parse_args(argv)
+    if args.cmd in ("erhg", "mma"):
+        return _synthesise(args)
     if args.cmd == "ablation":
         from .ablation import build_ablation, parse_sizes
 
@@ -94,6 +112,39 @@ def _data(argv: list[str]) -> int:
                               args.seed)
     for bucket, p in paths.items():
         print(f"{bucket}: {p['train']}  {p['validation']}")
+    return 0
+
+
+def _synthesise(args) -> int:
+    import json
+    import random
+
+    from .llm import Cache, Endpoint
+
+    def endpoint(spec: str) -> Endpoint:
+        try:
+            return Endpoint.parse(spec)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    if args.cmd == "mma":
+        from .mma import run as run_mma
+
+        if len(args.judge) != 2:
+            raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
+        stats = run_mma(args.input, args.out, [endpoint(g) for g in args.generator], [endpoint(j) for j in args.judge],
+                        endpoint(args.arbiter), args.max_gap)
+    else:
+        from .erhg import LLMEngine, RuleEngine, run as run_erhg
+
+        if args.engine == "llm":
+            if not args.endpoint:
+                raise ConfigError("--engine llm needs --endpoint MODEL@URL")
+            engine = LLMEngine(endpoint(args.endpoint), Cache(args.out + ".cache.jsonl"))
+        else:
+            engine = RuleEngine(random.Random(args.seed))
+        stats = run_erhg(args.input, args.out, engine, args.multi, args.seed)
+    print(json.dumps(stats, indent=2, ensure_ascii=False))
     return 0
 
 

@@ -1,0 +1,74 @@
+"""A local OpenAI-compatible HTTP server for the synthesis tests (``POST /v1/chat/completions``).
+
+Real HTTP, deterministic "models": the reply is computed from the model name and the prompt.
+``requests`` counts calls per model. The first reply to every distinct ERHG prompt is malformed,
+so every edit exercises the client's retry; prompts containing ``XYZZY`` never get a valid reply.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def reply_for(model: str, messages: list[dict], seen: set) -> str:
+    prompt = messages[0]["content"]
+    if model == "editor":
+        if "XYZZY" in prompt:
+            return "I cannot do that."
+        if prompt not in seen:
+            seen.add(prompt)
+            return "Sure! Here is the sentence you asked for"  # no JSON: the client must retry
+        sentence = re.search(r"<<<(.*)>>>", prompt, re.S).group(1)
+        kind = re.search(r'type "(\w+)"', prompt).group(1)
+        if kind == "fabrication":
+            return json.dumps({"perturbed": "A masked rider burned the granary at midnight."})
+        return "```json\n" + json.dumps({"perturbed": sentence.rstrip(".。") + " (edited)."}) + "\n```"
+    if model.startswith("gen-"):
+        sid = re.search(r"STORY-(\d+)", prompt).group(1)
+        text = f"A faithful account of story {sid}." if model == "gen-good" else f"An invented tale about {sid}."
+        return json.dumps({"summary": text})
+    summary = prompt.split("Summary:\n", 1)[1].split("\n\nTwo reviewers", 1)[0]
+    faithful = "faithful" in summary
+    if model == "judge-a":
+        return json.dumps({"score": 5 if faithful else 1, "reason": "checked",
+                           **({} if faithful else {"hallucination_types": ["Event"]})})
+    if model == "judge-b":
+        return json.dumps({"score": 4, "reason": "looks fine"})
+    if model == "arbiter":
+        return json.dumps({"reason": "invented", "score": 2, "hallucination_types": ["Fictional Event"]})
+    raise ValueError(model)
+
+
+class Server:
+    def __init__(self):
+        self.requests: Counter = Counter()
+        seen: set = set()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests[body["model"]] += 1
+                content = reply_for(body["model"], body["messages"], seen)
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

@@ -1,0 +1,140 @@
+"""Hallucination synthesis: ERHG (offline rules and an LLM engine) and MMA, against real text and a
+local OpenAI-compatible server started by the tests."""
+
+import difflib
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from llm_server import Server
+from longsft.train.erhg import RuleEngine, generate, sentences
+from longsft.train.erhg import run as run_erhg
+from longsft.train.extend import build, parse_buckets
+from longsft.train.llm import Endpoint
+from longsft.train.mma import run as run_mma
+from longsft.train.sample_data import synthetic_book
+from test_extend import hlm_units
+
+
+@pytest.fixture(scope="module")
+def faithful(tmp_path_factory, tokenizer):
+    """Faithful samples from `data extend`: 红楼梦 chapters (one chapter per window) and English books."""
+    units = [dict(u, summary=u["summary"].replace(" ", "。") + "。") for u in hlm_units()]  # the couplet: 2 sentences
+    for b in range(3):
+        units += synthetic_book(random.Random(b), f"en{b}", "en", 12, (3000, 6000))
+    d = tmp_path_factory.mktemp("faithful")
+    (d / "units.jsonl").write_text("".join(json.dumps(u, ensure_ascii=False) + "\n" for u in units), encoding="utf-8")
+    build(d / "units.jsonl", d / "out", parse_buckets("s=1500:9000"), tokenizer)
+    path = d / "out" / "s" / "samples.jsonl"
+    return path, [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _changed(parent: dict, child: dict) -> list[tuple]:
+    a, b = sentences(parent["summary"], parent["language"]), sentences(child["summary"], child["language"])
+    return [op for op in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes() if op[0] != "equal"]
+
+
+def test_offline_edits_are_one_sentence_each_and_balanced(faithful, tmp_path):
+    path, parents = faithful
+    stats = run_erhg(str(path), str(tmp_path / "erhg.jsonl"), RuleEngine(random.Random(0)), multi=0.3, seed=0)
+    outs = [json.loads(x) for x in (tmp_path / "erhg.jsonl").read_text(encoding="utf-8").splitlines()]
+    by_id = {p["id"]: p for p in parents}
+    assert stats["outputs"] == len(outs) >= 0.9 * len(parents)
+    assert {p["language"] for p in parents if f"{p['id']}-erhg" in {o["id"] for o in outs}} == {"zh", "en"}
+    for o in outs:
+        parent = by_id[o["parent"]]
+        n = len(o["edits"])
+        assert o["gold_score"] == (2 if n == 1 else 1) and n in (1, 3) and len(o["types"]) == n
+        ops = _changed(parent, o)
+        # each edit is one replaced or one inserted sentence, found by a plain diff
+        assert sum(max(i2 - i1, j2 - j1) for _, i1, i2, j1, j2 in ops) == n, (o["id"], ops)
+        after = sentences(o["summary"], o["language"])
+        for e in o["edits"]:
+            assert after[e["index"]] == e["after"] and e["before"] != e["after"]
+            if e["before"] is not None:
+                assert e["before"] in sentences(parent["summary"], parent["language"])
+        assert o["article"] == parent["article"] and o["source"] == "erhg"
+    counts = Counter(t for o in outs for t in o["types"])
+    assert set(counts) == {"entity", "numerical", "relation", "inversion", "event", "temporal", "causal",
+                           "fabrication"}
+    assert max(counts.values()) <= 2 * min(counts.values()), counts  # balanced over the eight types
+
+
+def test_offline_engine_is_deterministic(faithful):
+    _, parents = faithful
+    a, _ = generate(parents[:20], RuleEngine(random.Random(5)), [1] * 20, seed=5)
+    b, _ = generate(parents[:20], RuleEngine(random.Random(5)), [1] * 20, seed=5)
+    assert a == b
+
+
+def test_entity_edit_swaps_in_an_entity_of_the_article(faithful):
+    _, parents = faithful
+    zh = [p for p in parents if p["language"] == "zh"]
+    outs, _ = generate(zh, RuleEngine(random.Random(0)), [1] * len(zh), seed=1)
+    for o in outs:
+        for e in o["edits"]:
+            if e["type"] == "entity":
+                added = set(e["after"]) - set(e["before"])
+                assert added and all(ch in o["article"] for ch in added)
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def test_llm_engine_validates_retries_and_reports(faithful, server, tmp_path):
+    _, parents = faithful
+    en = [p for p in parents if p["language"] == "en"][:6]
+    en[0] = dict(en[0], summary="XYZZY is all this summary says.")  # the model never answers this one
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in en))
+    out = tmp_path / "erhg.jsonl"
+    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "data", "erhg", str(src), "--out", str(out),
+                        "--engine", "llm", "--endpoint", f"editor@{server.url}", "--multi", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    outs = [json.loads(x) for x in out.read_text().splitlines()]
+    problems = [json.loads(x) for x in (tmp_path / "erhg.jsonl.problems.jsonl").read_text().splitlines()]
+    assert [p["id"] for p in problems] == [en[0]["id"]] and "no valid answer after 4 tries" in problems[0]["problem"]
+    assert len(outs) == 5
+    for o in outs:
+        (e,) = o["edits"]
+        assert e["after"].endswith("(edited).") or e["after"] == "A masked rider burned the granary at midnight."
+    calls = server.requests["editor"]
+    # every accepted edit took two calls (the first reply is malformed); rerunning asks nothing again
+    r = subprocess.run(r.args, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and server.requests["editor"] - calls == 8 * 4  # only the hopeless prompts again
+
+
+def test_mma_judges_arbiter_and_disagreement_stats(server, tmp_path):
+    src = tmp_path / "articles.jsonl"
+    src.write_text("".join(json.dumps({"id": f"a{i}", "language": "en", "article": f"STORY-{i} text.",
+                                       "summary": "-", "gold_score": 5, "bucket": "16k"}) + "\n" for i in range(3)))
+    ep = lambda m: Endpoint(m, server.url)
+    stats = run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen-good"), ep("gen-bad")],
+                    [ep("judge-a"), ep("judge-b")], ep("arbiter"))
+    outs = {o["id"]: o for o in map(json.loads, (tmp_path / "mma.jsonl").read_text().splitlines())}
+    good, bad = outs["a0-mma-gen-good"], outs["a0-mma-gen-bad"]
+    assert good["gold_score"] == 4 and not good["arbitrated"] and good["types"] == []  # 5 and 4 agree: floor 4.5
+    assert bad["gold_score"] == 2 and bad["arbitrated"] and bad["types"] == ["fabrication"]  # 1 vs 4: arbiter
+    assert stats["label_agreement"] == 0.5 and stats["arbitrated"] == 3 and stats["arbiter_sided"] == {"a": 3}
+    assert stats["mean_score_gap"] == pytest.approx((1 + 3) / 2)
+    assert stats["judge_labels"] == {"FF": 3, "HF": 3}
+    before = sum(server.requests.values())
+    run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen-good"), ep("gen-bad")], [ep("judge-a"), ep("judge-b")],
+            ep("arbiter"))
+    assert sum(server.requests.values()) == before  # resumed from the answer cache
+
+
+def test_mma_needs_two_judges(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "data", "mma", str(tmp_path / "x.jsonl"), "--out",
+                        str(tmp_path / "o.jsonl"), "--generator", "g@http://h:1/v1", "--judge", "j@http://h:1/v1",
+                        "--arbiter", "a@http://h:1/v1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs exactly two judges, got 1" in r.stderr

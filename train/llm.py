@@ -1,0 +1,112 @@
+"""A minimal client for OpenAI-compatible chat endpoints (vLLM, SGLang, llama.cpp, hosted APIs).
+
+Standard library only. :func:`ask_json` sends a prompt, parses a JSON object from the reply,
+checks it with the caller's validator, and retries (with the complaint appended) when the reply
+is malformed; what still fails is reported, never raised into a long build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from longsft.eval.judgement import extract_json_object
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """``model@base_url`` (key from ``api_key_env``)."""
+
+    model: str
+    base_url: str
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float = 0.0
+    timeout_s: float = 300.0
+
+    @classmethod
+    def parse(cls, spec: str) -> "Endpoint":
+        model, at, url = spec.partition("@")
+        if not at or not model or not url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint {spec!r}: expected MODEL@http(s)://host:port/v1")
+        return cls(model, url.rstrip("/"))
+
+
+class LLMError(RuntimeError):
+    """The endpoint gave no usable answer after the retries."""
+
+
+def chat(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> str:
+    body = json.dumps({"model": ep.model, "messages": messages, "temperature": ep.temperature,
+                       "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(f"{ep.base_url}/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {os.environ.get(ep.api_key_env, 'none')}"})
+    with urllib.request.urlopen(req, timeout=ep.timeout_s) as r:
+        reply = json.loads(r.read())
+    return reply["choices"][0]["message"]["content"] or ""
+
+
+class Cache:
+    """Valid answers by (model, prompt), appended to a JSONL file: an interrupted build resumes
+    without asking again (a half-written last line is ignored)."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path, self.data = path, {}
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    self.data[rec["key"]] = rec["answer"]
+        self.f = open(path, "a", encoding="utf-8") if path else None
+
+    @staticmethod
+    def key(ep: Endpoint, prompt: str) -> str:
+        return hashlib.sha256(f"{ep.model}\0{ep.base_url}\0{prompt}".encode()).hexdigest()
+
+    def get(self, key: str) -> dict | None:
+        return self.data.get(key)
+
+    def put(self, key: str, answer: dict) -> None:
+        self.data[key] = answer
+        if self.f:
+            self.f.write(json.dumps({"key": key, "answer": answer}, ensure_ascii=False) + "\n")
+            self.f.flush()
+
+
+def ask_json(ep: Endpoint, prompt: str, validate, retries: int = 3, backoff_s: float = 1.0,
+             cache: Cache | None = None) -> dict:
+    """Ask until ``validate(obj)`` returns None (valid) or the retries run out (:class:`LLMError`).
+
+    ``validate`` returns a complaint string for a parsed-but-wrong object; it is sent back to the
+    model on the next try. Network errors are retried with backoff."""
+    key = Cache.key(ep, prompt) if cache else None
+    if cache and cache.get(key) is not None:
+        return cache.get(key)
+    messages = [{"role": "user", "content": prompt}]
+    problems = []
+    for attempt in range(retries + 1):
+        try:
+            text = chat(ep, messages)
+        except (urllib.error.URLError, TimeoutError, OSError, KeyError, ValueError) as e:
+            problems.append(f"request failed: {e}")
+            time.sleep(backoff_s * (2 ** attempt))
+            continue
+        obj = extract_json_object(text)
+        complaint = "no JSON object in the reply" if obj is None else validate(obj)
+        if complaint is None:
+            if cache:
+                cache.put(key, obj)
+            return obj
+        problems.append(complaint)
+        messages = messages[:1] + [{"role": "assistant", "content": text},
+                                   {"role": "user", "content": f"Invalid answer: {complaint}. Reply with the "
+                                                               "corrected JSON object only."}]
+    raise LLMError(f"{ep.model}: no valid answer after {retries + 1} tries: {'; '.join(problems)}")
