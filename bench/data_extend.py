@@ -16,14 +16,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     from longsft.train.extend import build, format_stats, parse_buckets
     from longsft.train.model import qwen_tokenizer
     from longsft.train.sample_data import synthetic_book
-    from machine import describe
+    from machine import describe, write_result
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--chars", type=int, default=10_000_000)
@@ -51,9 +50,7 @@ def main() -> None:
               "buckets": {k: v["samples"] for k, v in stats["buckets"].items()}}
     print(f"\n{chars:,} characters, {unit_tokens:,} tokens of text in {dt:.1f} s: "
           f"{unit_tokens / dt / 1e6:.2f}M tokens/s (goal >= 1M)")
-    out = ROOT / "bench" / "results" / "data_extend.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_result("data_extend", result)
 
 
 if __name__ == "__main__":

@@ -23,3 +23,13 @@ def describe() -> dict:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def write_result(name: str, result: dict) -> None:
+    """``bench/results/<name>.json`` (the machine described), and say where."""
+    import json
+    from pathlib import Path
+
+    out = Path(__file__).parent / "results" / f"{name}.json"
+    out.write_text(json.dumps({**result, "machine": result.get("machine") or describe()}, indent=2) + "\n")
+    print(f"\nwrote {out}")

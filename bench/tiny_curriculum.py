@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import describe  # noqa: E402
+from machine import describe, write_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,9 +50,7 @@ def main() -> None:
         ba, mcc = s["best_balanced_accuracy"], s["best_mcc"]
         print(f"| {name} | {s['steps']} | {s['seconds']} | {'–' if ba is None else f'{ba:.3f}'} | "
               f"{'–' if mcc is None else f'{mcc:.3f}'} |")
-    out = ROOT / "bench" / "results" / "tiny_curriculum.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    write_result("tiny_curriculum", result)
 
 
 if __name__ == "__main__":

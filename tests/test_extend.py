@@ -146,3 +146,4 @@ def test_cli_prints_the_bucket_table(units_file, tmp_path):
                         str(tmp_path / "o"), "--buckets", BUCKETS], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "| a | 5000–9000 |" in r.stdout and (tmp_path / "o" / "stats.json").exists()
+    assert "  a: 5000:" in r.stdout  # the token histogram

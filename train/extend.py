@@ -315,4 +315,7 @@ def format_stats(summary: dict) -> str:
         mean = "–" if b["tokens_mean"] is None else f"{b['tokens_min']}/{b['tokens_mean']:.0f}/{b['tokens_max']}"
         lines.append(f"| {name} | {b['lower']}–{b['upper']} | {b['samples']} | {b['zh']} | {b['en']} | {mean} | "
                      f"{b['residue_units']} | {b['overshoot_starts']} |")
+    lines.append("\ntoken histograms (bin start: samples):")
+    for name, b in summary["buckets"].items():
+        lines.append(f"  {name}: " + "  ".join(f"{lo}:{n}" for lo, n in b["histogram"]))
     return "\n".join(lines)

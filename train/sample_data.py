@@ -62,44 +62,18 @@ def _say(lang: str, kind: str, f: dict) -> str:
     return _FACT[lang][kind].format(**f)
 
 
-_EDIT_ORDER = ["numerical", "relation", "inversion", "causal", "entity", "event", "temporal", "fabrication"]
+def _erhg(rng: random.Random, lang: str, article: str, summary: str, n: int) -> tuple[str, list[str]]:
+    """``summary`` with ``n`` edits of distinct types by :class:`longsft.train.erhg.RuleEngine`."""
+    from longsft.eval.judgement import TYPES
 
+    from .erhg import RuleEngine, perturb
 
-def _hallucinate(rng: random.Random, lang: str, world: dict, facts: list, types: list[str]) -> list[tuple[str, dict]]:
-    """Apply one edit per canonical type in ``types``, each to a different summary fact."""
-    facts = [(k, dict(f)) for k, f in facts]
-    edited: set[int] = set()
-
-    def pick(kinds: tuple[str, ...]) -> int:
-        free = [j for j, (k, _) in enumerate(facts) if k in kinds and j not in edited]
-        j = rng.choice(free)
-        edited.add(j)
-        return j
-
-    for kind in sorted(types, key=_EDIT_ORDER.index):
-        if kind == "numerical":
-            facts[pick(("march",))][1]["n"] *= 3
-        elif kind == "relation":
-            f = facts[pick(("rel",))][1]
-            f["r"] = next(r for r in _RELS[lang] if r != f["r"])
-        elif kind == "inversion":
-            i = pick(("meet",))
-            facts[i] = ("refuse", facts[i][1])
-        elif kind == "causal":
-            i = pick(("march",))
-            facts[i] = ("cause", dict(facts[i][1], b=world["names"][3]))
-        elif kind == "entity":
-            f = facts[pick(("march", "meet", "rel"))][1]
-            f["a"] = next(n for n in world["names"] if n not in f.values())
-        elif kind == "event":
-            i = pick(("march", "meet", "rel"))
-            facts[i] = ("event", {"a": facts[i][1]["a"], "p": world["places"][0]})
-        elif kind == "temporal":
-            i, j = pick(("march", "meet", "rel", "cause", "event")), pick(("march", "meet", "rel", "cause", "event"))
-            facts[i], facts[j] = facts[j], facts[i]
-        elif kind == "fabrication":
-            facts.insert(rng.randrange(len(facts) + 1), ("fab", {"a": world["names"][1]}))
-    return facts
+    sample = {"language": lang, "article": article, "summary": summary}
+    for _ in range(32):  # a type that finds no sentence to edit is drawn again
+        result = perturb(sample, rng.sample(TYPES, n), RuleEngine(rng), rng)
+        if not isinstance(result, str):
+            return result[0], sorted({e.type for e in result[1]})
+    raise RuntimeError(f"no {n}-type ERHG edit applies to the summary {summary!r}")
 
 
 def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str, split: str) -> dict:
@@ -119,17 +93,15 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
         para = sep.join(sents)
         paragraphs.append(para)
         n_tokens += len(tokenizer.encode(para, add_special_tokens=False)) + 1
-    kinds = ["entity", "numerical", "relation", "inversion", "temporal", "event", "causal", "fabrication"]
+    article, summary = "\n".join(paragraphs), sep.join(fact_text)
     roll = rng.random()
     if roll < 0.5:
-        score, types, summary_facts = rng.choice([4, 5]), [], facts
-    else:
-        types = [rng.choice(kinds)] if roll < 0.8 else rng.sample(kinds, 3)
-        summary_facts = _hallucinate(rng, lang, world, facts, types)
+        score, types = rng.choice([4, 5]), []
+    else:  # the offline ERHG engine makes the hallucinated summaries (one or three one-sentence edits)
+        summary, types = _erhg(rng, lang, article, summary, 1 if roll < 0.8 else 3)
         score = 2 if len(types) == 1 else 1
-    summary = sep.join(_say(lang, k, f) for k, f in summary_facts)
     reason = _REASON[lang][0 if score >= 3 else 1]
-    return {"id": sid, "language": lang, "article": "\n".join(paragraphs), "summary": summary,
+    return {"id": sid, "language": lang, "article": article, "summary": summary,
             "gold_score": score, "types": types, "reason": reason, "bucket": bucket, "source": "sample",
             "split": split, "output": render_target(lang, score, types, reason)}
 
