@@ -61,6 +61,19 @@ def binary_metrics(y_true: list[int], y_pred: list[int]) -> dict[str, float]:
     return {"balanced_accuracy": ba, "mcc": mcc, "tp": tp, "tn": tn, "fp": fp, "fn": fn}
 
 
+def labels(items: Iterable[Item], policy: InvalidPolicy = "wrong") -> tuple[list[int], list[int]]:
+    """(gold, predicted) binary labels, 1 = hallucinated; invalid outputs per ``policy``."""
+    gold = [gold_label(it.gold_score) for it in items]
+    pred = [predicted_label(parse_judgement(it.prediction), g, policy) for it, g in zip(items, gold)]
+    return gold, pred
+
+
+def bucket_order(name: str) -> tuple:
+    """Sort '2k' < '16k' < '100k' numerically, anything else alphabetically after."""
+    digits = "".join(ch for ch in name if ch.isdigit())
+    return (0, int(digits), name) if digits else (1, 0, name)
+
+
 def score_items(items: Iterable[Item], policy: InvalidPolicy = "wrong", bootstrap: int = 0, seed: int = 0) -> dict:
     """Overall metrics plus per-bucket, per-language and per-type breakdowns.
 
@@ -81,7 +94,7 @@ def score_items(items: Iterable[Item], policy: InvalidPolicy = "wrong", bootstra
             if key(r[0]) is not None:
                 groups[str(key(r[0]))].append(r)
         result[name] = {k: _summary(v, bootstrap, seed)
-                        for k, v in sorted(groups.items(), key=lambda kv: _bucket_order(kv[0]))}
+                        for k, v in sorted(groups.items(), key=lambda kv: bucket_order(kv[0]))}
     result["by_type"] = _type_recall(rows)
     return result
 
@@ -113,9 +126,3 @@ def _type_recall(rows: list) -> dict:
             "type_recall": sum(1 for r in with_t if r[1].valid and t in r[1].types) / len(with_t),
         }
     return out
-
-
-def _bucket_order(name: str) -> tuple:
-    """Sort '2k' < '16k' < '100k' numerically, anything else alphabetically after."""
-    digits = "".join(ch for ch in name if ch.isdigit())
-    return (0, int(digits), name) if digits else (1, 0, name)

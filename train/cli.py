@@ -4,10 +4,14 @@
     longsft config [--get KEY] recipe=NAME [key=value ...]
                                                   print the resolved config (or one key), check it, exit
     longsft status RUN_DIR                        stage table; exit 0 when every stage is done, else 1
-    longsft report DIR [DIR ...] [--out DIR]      aggregate run directories (a sweep root holds many)
+    longsft report DIR [DIR ...] [--out DIR] [--compare A B]
+                                                  tables from training runs (a sweep root) or eval runs
     longsft submit [--sweep FILE] [--nodes N] ... recipe=NAME [key=value ...]
                                                   check, snapshot and sbatch a run or a sweep (--help)
     longsft sweep FILE [--root DIR] [key=value]   check every task of a sweep file, list its run dirs
+    longsft eval model=PATH data=FILE [backend=hf|vllm|openai] [prompt=end|begin|cot] [repeats=3] ...
+                                                  evaluate a model (resumable; see longsft.eval.harness)
+    longsft serve model=PATH [port=8000]          OpenAI-compatible endpoint over the HF backend
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
     longsft data extend UNITS.jsonl --out DIR [--buckets 16k,32k,64k,100k] [--resume]
@@ -25,6 +29,7 @@ import argparse
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from .config import ConfigError, RunConfig, dump_yaml, load_config, validate
 from .io import DataError
@@ -178,15 +183,29 @@ def _status(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft report", description="aggregate run directories")
-    ap.add_argument("dirs", nargs="+", help="run directories, or folders whose subfolders are runs (a sweep root)")
-    ap.add_argument("--out", help="where to write report.md/report.json (default: the only DIR given)")
+    ap = argparse.ArgumentParser(prog="longsft report", description="tables from training or evaluation runs")
+    ap.add_argument("dirs", nargs="*", help="run directories, or folders of them (a sweep root, runs/eval)")
+    ap.add_argument("--out", help="where to write the report files (default: the only DIR given)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="replicates for 95%% CIs (0: none)")
+    ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two eval runs: paired bootstrap of B - A")
     args = ap.parse_args(argv)
+    from longsft.eval.report import compare, eval_tables, find_eval_runs
+
     from .report import aggregate
 
     out = args.out or (args.dirs[0] if len(args.dirs) == 1 else None)
-    print(aggregate(args.dirs, out, args.bootstrap))
+    if args.compare:
+        print(compare(Path(args.compare[0]), Path(args.compare[1]), args.bootstrap or 2000))
+        if not args.dirs:
+            return 0
+    if not args.dirs:
+        raise ConfigError("longsft report: give run directories (or --compare A B)")
+    evals = find_eval_runs(args.dirs)
+    if evals:
+        print(eval_tables(evals, Path(out) if out else None))
+    rest = [d for d in args.dirs if not find_eval_runs([d])]
+    if rest or not evals:
+        print(aggregate(rest or args.dirs, out, args.bootstrap))
     return 0
 
 
@@ -252,6 +271,19 @@ def main(argv: list[str] | None = None) -> int:
 
             run(cfg)
             return 0
+        if cmd == "eval":
+            from longsft.eval.harness import parse_eval_args, run_eval
+
+            summary = run_eval(parse_eval_args(rest))
+            m = summary["mean"]
+            print(f"{summary['name']}: n={summary['n']} x {summary['repeats']}  BA {m['balanced_accuracy']:.3f}  "
+                  f"MCC {m['mcc']:.3f}  invalid {m['invalid_rate']:.1%}  ({summary['generation']['failed']} failed "
+                  f"generations)\nwrote {summary['out']}/eval.json")
+            return 0
+        if cmd == "serve":
+            from longsft.eval.serve import serve
+
+            return serve(rest)
         handler = {"config": _config, "status": _status, "report": _report, "sweep": _sweep,
                    "submit": _submit, "data": _data}.get(cmd)
         if handler is not None:

@@ -40,7 +40,8 @@ class LLMError(RuntimeError):
     """The endpoint gave no usable answer after the retries."""
 
 
-def chat(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> str:
+def chat_full(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> tuple[str, dict]:
+    """(reply text, usage dict) of one chat completion."""
     body = json.dumps({"model": ep.model, "messages": messages, "temperature": ep.temperature,
                        "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(f"{ep.base_url}/chat/completions", data=body, method="POST",
@@ -48,7 +49,11 @@ def chat(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> str:
                                           "Authorization": f"Bearer {os.environ.get(ep.api_key_env, 'none')}"})
     with urllib.request.urlopen(req, timeout=ep.timeout_s) as r:
         reply = json.loads(r.read())
-    return reply["choices"][0]["message"]["content"] or ""
+    return reply["choices"][0]["message"]["content"] or "", reply.get("usage") or {}
+
+
+def chat(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> str:
+    return chat_full(ep, messages, max_tokens)[0]
 
 
 class Cache:

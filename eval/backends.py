@@ -1,0 +1,122 @@
+"""Generation backends for ``longsft eval``: HF transformers, vLLM, OpenAI-compatible HTTP.
+
+Each turns a user message into the model's reply, greedily (temperature 0), and reports token
+counts. ``generate(prompt) -> Generation``; prompts are plain text, chat templates are applied here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Generation:
+    text: str
+    prompt_tokens: int
+    gen_tokens: int
+    seconds: float
+    error: str | None = None
+
+
+class HFBackend:
+    """``AutoModelForCausalLM.generate`` on CPU or one GPU; rope scaling from the recipe's model config."""
+
+    name = "hf"
+
+    def __init__(self, model_cfg, max_new_tokens: int, enable_thinking: bool = False, dtype: str = "auto"):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from longsft.train.model import build_hf_config, build_tokenizer
+
+        self.tok = build_tokenizer(model_cfg)
+        hf_cfg = build_hf_config(model_cfg, model_cfg.path)
+        torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_cfg, dtype=torch_dtype,
+                                                          trust_remote_code=model_cfg.trust_remote_code)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model.to(self.device).eval()
+        self.max_new_tokens, self.enable_thinking = max_new_tokens, enable_thinking
+
+    def count(self, text: str) -> int:
+        return len(self.tok.encode(text, add_special_tokens=False))
+
+    def generate(self, prompt: str) -> Generation:
+        import torch
+
+        t0 = time.time()
+        ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False, enable_thinking=self.enable_thinking)
+        x = torch.tensor([list(ids)], device=self.device)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=self.max_new_tokens,
+                                      do_sample=False, pad_token_id=self.tok.pad_token_id,
+                                      eos_token_id=self.tok.eos_token_id)
+        new = out[0, x.shape[1]:]
+        return Generation(self.tok.decode(new, skip_special_tokens=True), x.shape[1], int(new.shape[0]),
+                          time.time() - t0)
+
+
+class VLLMBackend:
+    """vLLM on GPUs (``pip install longsft[vllm]``); the recipe's rope scaling goes in as an HF override.
+
+    Not exercised in CI (no GPU); the import error is the message users see without vLLM."""
+
+    name = "vllm"
+
+    def __init__(self, model_cfg, max_new_tokens: int, enable_thinking: bool = False, max_model_len: int = 0,
+                 tensor_parallel: int = 1):
+        try:
+            from vllm import LLM, SamplingParams
+        except ImportError:
+            from longsft.train.config import ConfigError
+
+            raise ConfigError("backend=vllm needs vLLM on a GPU machine: pip install 'longsft[vllm]'") from None
+        overrides = {"rope_scaling": model_cfg.rope_scaling} if model_cfg.rope_scaling else {}
+        kw = {"max_model_len": max_model_len} if max_model_len else {}
+        self.llm = LLM(model=model_cfg.path, tokenizer=model_cfg.tokenizer if model_cfg.tokenizer != "qwen" else None,
+                       hf_overrides=overrides, tensor_parallel_size=tensor_parallel,
+                       trust_remote_code=model_cfg.trust_remote_code, **kw)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        self.chat_kwargs = {"enable_thinking": enable_thinking}
+
+    def generate(self, prompt: str) -> Generation:
+        t0 = time.time()
+        (out,) = self.llm.chat([{"role": "user", "content": prompt}], self.params,
+                               chat_template_kwargs=self.chat_kwargs, use_tqdm=False)
+        return Generation(out.outputs[0].text, len(out.prompt_token_ids), len(out.outputs[0].token_ids),
+                          time.time() - t0)
+
+
+class OpenAIBackend:
+    """Any OpenAI-compatible endpoint; retries with backoff; optional requests-per-minute limit."""
+
+    name = "openai"
+
+    def __init__(self, model: str, base_url: str, max_new_tokens: int, api_key_env: str = "OPENAI_API_KEY",
+                 requests_per_minute: float = 0.0, retries: int = 4):
+        from longsft.train.llm import Endpoint
+
+        self.ep = Endpoint(model, base_url.rstrip("/"), api_key_env)
+        self.max_new_tokens, self.retries = max_new_tokens, retries
+        self.min_interval = 60.0 / requests_per_minute if requests_per_minute > 0 else 0.0
+        self._last = 0.0
+
+    def generate(self, prompt: str) -> Generation:
+        from longsft.train.llm import chat_full
+
+        t0, error = time.time(), None
+        for attempt in range(self.retries + 1):
+            wait = self._last + self.min_interval - time.time()
+            if wait > 0:
+                time.sleep(wait)
+            self._last = time.time()
+            try:
+                text, usage = chat_full(self.ep, [{"role": "user", "content": prompt}], self.max_new_tokens)
+                return Generation(text, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                                  time.time() - t0)
+            except Exception as e:  # HTTP 429/5xx, timeouts, bad JSON: back off and retry
+                error = f"{type(e).__name__}: {e}"
+                time.sleep(min(30.0, 0.5 * 2 ** attempt))
+        return Generation("", 0, 0, time.time() - t0, error=error)

@@ -1,0 +1,206 @@
+"""``longsft eval``: the paper's evaluation protocol over any backend, resumable.
+
+    longsft eval model=runs/tiny/stages/s4k/best data=test.jsonl [backend=hf|vllm|openai]
+                 [prompt=end|begin|cot] [repeats=3] [recipe=qwen3_32b] [out=DIR] ...
+
+Output folder (``out``, default ``runs/eval/<name>``):
+
+- ``generations.jsonl``: append-only, one record per generation keyed by a hash of (model,
+  backend, prompt text, generation settings, repeat); a rerun skips every key already there, so
+  an interrupted evaluation resumes where it stopped and nothing is generated twice. Failed
+  generations are recorded with their error (and retried by the next run); an empty or failed
+  output is scored as invalid, never dropped;
+- ``predictions_r<k>.jsonl`` (``longsft score`` format) and ``scores_r<k>.json`` per repeat;
+- ``eval.json``: the config, per-repeat metrics with 95% bootstrap CIs, their mean, token counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from longsft.train.config import ConfigError, build, parse_override, set_path, to_dict
+from longsft.train.io import atomic_write_json, write_jsonl
+
+from .metrics import Item, score_items
+
+
+@dataclass
+class EvalConfig:
+    model: str = ""  # HF path (hf, vllm) or the served model's name (openai)
+    data: str = ""  # JSONL: released LongNovel records or longsft's richer form
+    recipe: str | None = None  # take tokenizer and rope scaling from this recipe's model section
+    tokenizer: str | None = None  # default: the model path ("qwen": the Qwen3 vocabulary, offline)
+    backend: Literal["hf", "vllm", "openai"] = "hf"
+    method: Literal["direct", "rag"] = "direct"
+    prompt: Literal["end", "begin", "cot"] = "end"
+    repeats: int = 1
+    max_new_tokens: int = 512
+    enable_thinking: bool = False
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
+    api_key_env: str = "OPENAI_API_KEY"
+    requests_per_minute: float = 0.0
+    retries: int = 4  # openai: attempts after the first, with exponential backoff
+    limit: int = 0  # evaluate the first N items only (0: all)
+    name: str = ""  # default: <model folder>-<method>-<prompt>
+    out: str = "runs/eval/{name}"
+    invalid_policy: Literal["wrong", "hallucinated", "faithful"] = "wrong"
+    bootstrap: int = 2000
+    seed: int = 0
+    progress: bool = True
+
+    @property
+    def run_name(self) -> str:
+        return self.name or f"{Path(self.model.rstrip('/')).name or self.model}-{self.method}-{self.prompt}"
+
+    @property
+    def out_path(self) -> Path:
+        return Path(self.out.format(name=self.run_name))
+
+
+def parse_eval_args(argv: list[str]) -> EvalConfig:
+    raw, where = {}, {}
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(f"argument {arg!r} is not key=value (e.g. model=PATH data=test.jsonl)")
+        key, value = parse_override(arg)
+        set_path(raw, key, value)
+        where[key] = f"argument {arg!r}"
+    cfg = build(EvalConfig, raw, where=where)
+    for key in ("model", "data"):
+        if not getattr(cfg, key):
+            raise ConfigError(f"{key}= is required (longsft eval model=PATH data=FILE)")
+    if cfg.backend == "openai" and not cfg.base_url:
+        raise ConfigError("backend=openai needs base_url= (an OpenAI-compatible endpoint, e.g. http://host:8000/v1)")
+    if cfg.repeats < 1:
+        raise ConfigError(f"repeats={cfg.repeats} must be >= 1")
+    if not Path(cfg.data).exists():
+        raise ConfigError(f"data={cfg.data}: file not found")
+    return cfg
+
+
+def model_config(cfg: EvalConfig):
+    """The model section: the recipe's (tokenizer, rope scaling) with ``model`` as the weights."""
+    from dataclasses import replace
+
+    from longsft.train.config import ModelConfig, load_config
+
+    base = load_config(cfg.recipe).model if cfg.recipe else ModelConfig()
+    return replace(base, path=cfg.model, config=None, tokenizer=cfg.tokenizer or base.tokenizer or cfg.model)
+
+
+def make_backend(cfg: EvalConfig):
+    from .backends import HFBackend, OpenAIBackend, VLLMBackend
+
+    if cfg.backend == "openai":
+        return OpenAIBackend(cfg.model, cfg.base_url, cfg.max_new_tokens, cfg.api_key_env, cfg.requests_per_minute,
+                             cfg.retries)
+    if cfg.backend == "vllm":
+        return VLLMBackend(model_config(cfg), cfg.max_new_tokens, cfg.enable_thinking)
+    return HFBackend(model_config(cfg), cfg.max_new_tokens, cfg.enable_thinking, cfg.dtype)
+
+
+class GenerationCache:
+    """``generations.jsonl``: the newest good record per key (a cut-off last line is ignored)."""
+
+    def __init__(self, path: Path):
+        self.path, self.done = path, {}
+        if path.exists():
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except ValueError:
+                        continue
+                    if rec.get("error") is None or rec["key"] not in self.done:
+                        self.done[rec["key"]] = rec
+        self.f = open(path, "a", encoding="utf-8")
+
+    def ok(self, key: str) -> bool:
+        return key in self.done and self.done[key].get("error") is None
+
+    def add(self, rec: dict) -> None:
+        self.done[rec["key"]] = rec
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+
+def generation_key(cfg: EvalConfig, prompt: str, repeat: int) -> str:
+    settings = {"model": cfg.model, "backend": cfg.backend, "max_new_tokens": cfg.max_new_tokens, "temperature": 0,
+                "enable_thinking": cfg.enable_thinking, "repeat": repeat}
+    return hashlib.sha256((json.dumps(settings, sort_keys=True) + "\0" + prompt).encode()).hexdigest()
+
+
+def build_prompts(cfg: EvalConfig, samples) -> list[str]:
+    from longsft.train.data import render_prompt
+
+    if cfg.method == "rag":
+        raise ConfigError("method=rag: the RAG baseline is not built yet (tracked in the evaluation issue)")
+    return [render_prompt(s, cfg.prompt) for s in samples]
+
+
+def run_eval(cfg: EvalConfig) -> dict:
+    from longsft.train.data import load_samples
+
+    samples = load_samples(cfg.data)
+    if cfg.limit:
+        samples = samples[: cfg.limit]
+    out = cfg.out_path
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "config.json", to_dict(cfg))
+    prompts = build_prompts(cfg, samples)
+    cache = GenerationCache(out / "generations.jsonl")
+    todo = [(r, i) for r in range(cfg.repeats) for i in range(len(samples))
+            if not cache.ok(generation_key(cfg, prompts[i], r))]
+    if todo:
+        _generate(cfg, samples, prompts, todo, cache)
+    return _score(cfg, samples, prompts, cache)
+
+
+def _generate(cfg: EvalConfig, samples, prompts, todo, cache: GenerationCache) -> None:
+    from tqdm import tqdm
+
+    backend = make_backend(cfg)  # loaded only when something is left to generate
+    bar = tqdm(total=len(todo), desc=f"eval {cfg.run_name}", unit="item", disable=not cfg.progress, dynamic_ncols=True)
+    tokens, t0 = 0, time.time()
+    for r, i in todo:
+        g = backend.generate(prompts[i])
+        cache.add({"key": generation_key(cfg, prompts[i], r), "id": samples[i].id, "repeat": r, "prediction": g.text,
+                   "prompt_tokens": g.prompt_tokens, "gen_tokens": g.gen_tokens, "seconds": round(g.seconds, 3),
+                   "error": g.error})
+        tokens += g.prompt_tokens + g.gen_tokens
+        bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
+        bar.update()
+    bar.close()
+
+
+def _score(cfg: EvalConfig, samples, prompts, cache: GenerationCache) -> dict:
+    out = cfg.out_path
+    repeats, gen = [], {"prompt_tokens": 0, "gen_tokens": 0, "failed": 0}
+    for r in range(cfg.repeats):
+        rows = []
+        for s, p in zip(samples, prompts):
+            rec = cache.done.get(generation_key(cfg, p, r), {})
+            gen["prompt_tokens"] += rec.get("prompt_tokens", 0)
+            gen["gen_tokens"] += rec.get("gen_tokens", 0)
+            gen["failed"] += rec.get("error") is not None
+            rows.append({"id": s.id, "prediction": rec.get("prediction", ""), "gold_score": s.gold_score,
+                         "bucket": s.bucket, "language": s.language, "types": s.types, "error": rec.get("error")})
+        write_jsonl(out / f"predictions_r{r}.jsonl", rows)
+        items = [Item(x["id"], x["prediction"], x["gold_score"], x["bucket"], x["language"], tuple(x["types"]))
+                 for x in rows]
+        result = score_items(items, cfg.invalid_policy, cfg.bootstrap, cfg.seed)
+        atomic_write_json(out / f"scores_r{r}.json", result)
+        repeats.append(result)
+    mean = {k: sum(x[k] for x in repeats) / len(repeats) for k in ("balanced_accuracy", "mcc", "invalid_rate",
+                                                                   "contradiction_rate")}
+    summary = {"name": cfg.run_name, "out": str(out), "model": cfg.model, "backend": cfg.backend, "method": cfg.method,
+               "prompt": cfg.prompt, "data": cfg.data, "n": len(samples), "repeats": cfg.repeats, "mean": mean,
+               "scores": repeats, "generation": gen}
+    atomic_write_json(out / "eval.json", summary)
+    return summary
