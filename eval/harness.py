@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from longsft.train.config import ConfigError, build, parse_override, set_path, to_dict
-from longsft.train.io import atomic_write_json, write_jsonl
+from longsft.train.io import atomic_write_json, read_log, write_jsonl
 
 from .metrics import Item, score_items
 
@@ -112,15 +112,9 @@ class GenerationCache:
 
     def __init__(self, path: Path):
         self.path, self.done = path, {}
-        if path.exists():
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue
-                    if rec.get("error") is None or rec["key"] not in self.done:
-                        self.done[rec["key"]] = rec
+        for rec in read_log(path):
+            if rec.get("error") is None or rec["key"] not in self.done:
+                self.done[rec["key"]] = rec
         self.f = open(path, "a", encoding="utf-8")
 
     def ok(self, key: str) -> bool:
@@ -267,7 +261,8 @@ def _score(cfg: EvalConfig, n: int, per_repeat: list[list[dict]], rag: dict | No
     mean = {k: sum(x[k] for x in repeats) / len(repeats) for k in ("balanced_accuracy", "mcc", "invalid_rate",
                                                                    "contradiction_rate")}
     summary = {"name": cfg.run_name, "out": str(out), "model": cfg.model, "backend": cfg.backend,
-               "method": cfg.method, "prompt": cfg.prompt, "data": cfg.data, "n": n, "repeats": cfg.repeats,
+               "method": cfg.method, "prompt": cfg.prompt, "data": cfg.data, "invalid_policy": cfg.invalid_policy,
+               "n": n, "repeats": cfg.repeats,
                "mean": mean, "scores": repeats, "generation": gen, "rag": rag}
     atomic_write_json(out / "eval.json", summary)
     return summary

@@ -97,7 +97,7 @@ def compare(a: Path, b: Path, n: int = 2000, seed: int = 0) -> str:
     ids = sorted(set(pa) & set(pb))
     if not ids:
         raise ConfigError(f"--compare: {a} and {b} share no item ids")
-    policy = json.loads((a / "config.json").read_text()).get("invalid_policy", "wrong")
+    policy = ea.get("invalid_policy", "wrong")
     groups = {"all": ids}
     for i in ids:
         if pa[i].bucket is not None:

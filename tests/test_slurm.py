@@ -47,7 +47,7 @@ def test_sweep_lists_every_task_with_its_run_dir(tmp_path):
     ("a\nb seed=1\na seed=2\n", "bad.txt:3: task name 'a' is also on line 1"),
     ("a seed\n", "bad.txt:1: 'seed' is not key=value"),
     ("seed=1\n", "bad.txt:1: a line starts with the task name"),
-    ("a run_dir=/tmp/x\nb run_dir=/tmp/x\n", "bad.txt:2: task b trains in /tmp/x, as task a does"),
+    ("a run_dir=/tmp/x\nb run_dir=/tmp/x\n", "bad.txt:2: task b writes to /tmp/x, as task a does"),
     ("# only comments\n", "no task lines"),
 ])
 def test_bad_sweep_lines_are_refused_before_submission(tmp_path, text, message):
@@ -165,3 +165,22 @@ def test_signalled_job_checkpoints_requeues_and_ends_like_an_uninterrupted_run(c
     assert state["status"] == "done" and state["steps_done"] == 8
     assert not (run_dir / "STOP").exists()
     assert_same_run(ref, run_dir)
+
+
+@pytest.mark.slow
+def test_evaluation_sweep_runs_longsft_eval_per_line(cluster, tmp_path, tiny_model_dir, sample_dir):
+    sweep = tmp_path / "eval_sweep.txt"
+    sweep.write_text("# prompt variants of one model\nend    prompt=end\nbegin  prompt=begin\n")
+    root = tmp_path / "evals"
+    common = [f"model={tiny_model_dir('qwen3')}", "tokenizer=qwen", f"data={sample_dir / '512' / 'validation.jsonl'}",
+              "max_new_tokens=8", "bootstrap=100", "progress=false", "limit=4"]
+    r = cli("submit", "--command", "eval", "--gpus-per-node", "0", "--nproc-per-node", "1", "--cpus-per-task", "1",
+            "--sweep", str(sweep), "--root", str(root), *common, cwd=tmp_path, env=cluster.env)
+    jobs = cluster.wait(r.stdout.split("job: ")[1].strip())
+    sub = next((root / "submit").iterdir())
+    assert [j["JobState"] for j in jobs] == ["COMPLETED"] * 2, "\n".join(p.read_text() for p in sub.glob("*.out"))
+    for name, prompt in (("end", "end"), ("begin", "begin")):
+        e = json.loads((root / name / "eval.json").read_text())
+        assert e["n"] == 4 and e["prompt"] == prompt
+    report = cli("report", str(root))
+    assert "| end |" in report.stdout and "| begin |" in report.stdout  # Table 4 rows named by task

@@ -215,18 +215,19 @@ def _sweep(argv: list[str]) -> int:
     ap.add_argument("--root", help="task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")
     ap.add_argument("--task", type=int, help="print this task's arguments (the array index) instead")
     ap.add_argument("--print0", action="store_true", help="NUL-separated (for the array script)")
+    ap.add_argument("--command", choices=["train", "eval"], default="train", help="what each line runs")
     args, common = ap.parse_known_args(argv)
-    from .sweep import check_sweep, load_sweep, task_args
+    from .sweep import OUTPUT_KEY, check_sweep, load_sweep, task_args
 
     root = args.root or f"runs/sweeps/{os.path.splitext(os.path.basename(args.file))[0]}"
     if args.task is None:
-        for task, cfg in check_sweep(args.file, root, common):
-            print(f"{task.index}\t{task.name}\t{cfg.run_path}")
+        for task, cfg in check_sweep(args.file, root, common, args.command):
+            print(f"{task.index}\t{task.name}\t{getattr(cfg, OUTPUT_KEY[args.command])}")
         return 0
     tasks = load_sweep(args.file)
     if not 0 <= args.task < len(tasks):
         raise ConfigError(f"{args.file}: task {args.task} asked for; the file has tasks 0..{len(tasks) - 1}")
-    out = task_args(tasks[args.task], root, common)
+    out = task_args(tasks[args.task], root, common, args.command)
     print("\0".join(out) + "\0" if args.print0 else " ".join(out), end="" if args.print0 else "\n")
     return 0
 
@@ -246,12 +247,16 @@ def _submit(argv: list[str]) -> int:
     ap.add_argument("--account")
     ap.add_argument("--job-name")
     ap.add_argument("--max-parallel", type=int, help="sweep: at most this many tasks at once")
+    ap.add_argument("--command", choices=["train", "eval"], default="train",
+                    help="sweep: lines are training runs or `longsft eval` runs")
     ap.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch option (repeat)")
     ap.add_argument("--dry-run", action="store_true", help="prepare the submission folder, do not sbatch")
     args, rest = ap.parse_known_args(argv)
     res = Resources(args.nodes, args.gpus_per_node, args.nproc_per_node, args.cpus_per_task, args.time,
                     args.partition, args.account, args.job_name, args.max_parallel, args.sbatch)
-    sub, job = submit(rest, res, args.sweep, args.root, args.dry_run)
+    if args.command == "eval" and not args.sweep:
+        raise ConfigError("--command eval is for sweeps (--sweep FILE); a single evaluation needs no cluster script")
+    sub, job = submit(rest, res, args.sweep, args.root, args.dry_run, args.command)
     print(f"submission: {sub}\n" + (f"job: {job}" if job else f"dry run: {sub / 'command.sh'}"))
     return 0
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from longsft.eval.judgement import extract_json_object
 
+from .io import read_log
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -61,15 +63,8 @@ class Cache:
     without asking again (a half-written last line is ignored)."""
 
     def __init__(self, path: str | os.PathLike | None):
-        self.path, self.data = path, {}
-        if path and os.path.exists(path):
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        continue
-                    self.data[rec["key"]] = rec["answer"]
+        self.path = path
+        self.data = {rec["key"]: rec["answer"] for rec in read_log(path)} if path else {}
         self.f = open(path, "a", encoding="utf-8") if path else None
 
     @staticmethod

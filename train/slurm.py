@@ -71,10 +71,11 @@ def snapshot_code(dest: Path) -> None:
         atomic_write_text(dest / "git.diff", diff)
 
 
-def sbatch_command(script: Path, args: list[str], res: Resources, sub: Path, array: int | None) -> list[str]:
+def sbatch_command(script: Path, args: list[str], res: Resources, sub: Path, array: int | None,
+                   command: str = "train") -> list[str]:
     env = {"LONGSFT_PYTHON": sys.executable, "PYTHONPATH": str(sub / "code"),
            "LONGSFT_LAUNCH_DIR": str(sub / "code" / "longsft" / "launch" / "slurm"),
-           "NPROC_PER_NODE": str(res.procs)}
+           "NPROC_PER_NODE": str(res.procs), "LONGSFT_SWEEP_COMMAND": command}
     bad = [f"{k}={v}" for k, v in env.items() if "," in v]
     if bad:
         raise ConfigError(f"sbatch --export cannot carry a comma: {bad[0]}; use a path without commas")
@@ -93,7 +94,7 @@ def sbatch_command(script: Path, args: list[str], res: Resources, sub: Path, arr
 
 
 def submit(args: list[str], res: Resources, sweep: str | None = None, root: str | None = None,
-           dry_run: bool = False) -> tuple[Path, str | None]:
+           dry_run: bool = False, command: str = "train") -> tuple[Path, str | None]:
     """Check, snapshot and submit; returns (submission folder, job id or None for a dry run)."""
     from .cli import parse_run_args
     from .sweep import check_sweep, task_args
@@ -105,9 +106,10 @@ def submit(args: list[str], res: Resources, sweep: str | None = None, root: str 
         base, script, job_args, array = cfg.run_path, "curriculum.sbatch", list(args), None
     else:
         root = root or f"runs/sweeps/{Path(sweep).stem}"
-        tasks = check_sweep(sweep, root, args)
-        for task, cfg in tasks:
-            check_world(cfg, res, f"{sweep}:{task.line} (task {task.name}): ")
+        tasks = check_sweep(sweep, root, args, command)
+        if command == "train":
+            for task, cfg in tasks:
+                check_world(cfg, res, f"{sweep}:{task.line} (task {task.name}): ")
         configs = {f"configs/{t.name}.yaml": c for t, c in tasks}
         base, script, array = Path(root), "array.sbatch", len(tasks)
         job_args = [str(Path(sweep).resolve()), str(Path(root).resolve()), *args]
@@ -120,11 +122,11 @@ def submit(args: list[str], res: Resources, sweep: str | None = None, root: str 
         atomic_write_text(sub / name, dump_yaml(cfg))
     if sweep is not None:
         shutil.copy(sweep, sub / "sweep.txt")
-        lines = [f"{t.index}\t{t.name}\t{shlex.join(task_args(t, root, args))}" for t, _ in tasks]
+        lines = [f"{t.index}\t{t.name}\t{shlex.join(task_args(t, root, args, command))}" for t, _ in tasks]
         atomic_write_text(sub / "tasks.tsv", "\n".join(lines) + "\n")
     script_path = sub / script
     shutil.copy(sub / "code" / "longsft" / "launch" / "slurm" / script, script_path)
-    cmd = sbatch_command(script_path, job_args, res, sub, array)
+    cmd = sbatch_command(script_path, job_args, res, sub, array, command)
     atomic_write_text(sub / "command.sh", shlex.join(cmd) + "\n")
     if dry_run:
         return sub, None

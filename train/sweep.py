@@ -8,7 +8,8 @@ A line is a task name followed by ``key=value`` overrides (shell quoting; ``#`` 
 
 Array index ``i`` is the ``i``-th task line (comments and blank lines do not count). Arguments
 common to every task (``recipe=...``) come first, so a line overrides them. Task ``name`` trains in
-``<root>/<name>`` unless its line sets ``run_dir``.
+``<root>/<name>`` unless its line sets ``run_dir``. An evaluation sweep (``--command eval``) takes
+``longsft eval`` arguments per line and writes to ``out=<root>/<name>``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ConfigError, RunConfig
+from .config import ConfigError
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -63,28 +64,46 @@ def load_sweep(path: str | Path) -> list[SweepTask]:
     return tasks
 
 
-def task_args(task: SweepTask, root: str | Path, common: list[str]) -> list[str]:
-    """``recipe=``/overrides for one task: the common ones, the line's, and its run directory."""
+# per command: the key that names a task's output folder, and how its config is resolved
+OUTPUT_KEY = {"train": "run_dir", "eval": "out"}
+
+
+def task_args(task: SweepTask, root: str | Path, common: list[str], command: str = "train") -> list[str]:
+    """Arguments for one task: the common ones, the line's, and its output folder."""
     args = [*common, *task.overrides]
-    if not any(a.startswith("run_dir=") for a in args):
-        args.append(f"run_dir={Path(root) / task.name}")
+    key = OUTPUT_KEY[command]
+    if not any(a.startswith(f"{key}=") for a in args):
+        args.append(f"{key}={Path(root) / task.name}")
+    if command == "eval" and not any(a.startswith("name=") for a in args):
+        args.append(f"name={task.name}")  # the row name in `longsft report`
     return args
 
 
-def check_sweep(path: str | Path, root: str | Path, common: list[str]) -> list[tuple[SweepTask, RunConfig]]:
-    """Resolve and validate every task's config (before anything is submitted)."""
+def _resolve(command: str, args: list[str]) -> tuple[object, Path]:
+    if command == "eval":
+        from longsft.eval.harness import parse_eval_args
+
+        cfg = parse_eval_args(args)
+        return cfg, cfg.out_path
     from .cli import parse_run_args
 
+    cfg = parse_run_args(args)
+    return cfg, cfg.run_path
+
+
+def check_sweep(path: str | Path, root: str | Path, common: list[str],
+                command: str = "train") -> list[tuple[SweepTask, object]]:
+    """Resolve and validate every task's config (before anything is submitted)."""
     out, dirs = [], {}
     for task in load_sweep(path):
         try:
-            cfg = parse_run_args(task_args(task, root, common))
+            cfg, where = _resolve(command, task_args(task, root, common, command))
         except ConfigError as e:
             raise ConfigError(f"{path}:{task.line} (task {task.name}): {e}") from None
-        run_dir = str(cfg.run_path.resolve())
+        run_dir = str(where.resolve())
         if run_dir in dirs:
-            raise ConfigError(f"{path}:{task.line}: task {task.name} trains in {run_dir}, as task {dirs[run_dir]} "
-                              "does; give each task its own run_dir")
+            raise ConfigError(f"{path}:{task.line}: task {task.name} writes to {run_dir}, as task {dirs[run_dir]} "
+                              f"does; give each task its own {OUTPUT_KEY[command]}")
         dirs[run_dir] = task.name
         out.append((task, cfg))
     return out
