@@ -16,6 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def reply_for(model: str, messages: list[dict], seen: set) -> str:
     prompt = messages[0]["content"]
+    if model == "constory-judge":
+        import constory_judge
+
+        return constory_judge.answer(prompt)
     if model == "editor":
         if "XYZZY" in prompt:
             return "I cannot do that."

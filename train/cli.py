@@ -12,6 +12,7 @@
     longsft eval model=PATH data=FILE [backend=hf|vllm|openai] [prompt=end|begin|cot] [repeats=3] ...
                                                   evaluate a model (resumable; see longsft.eval.harness)
     longsft serve model=PATH [port=8000]          OpenAI-compatible endpoint over the HF backend
+    longsft constory generate|check|metrics ...   consistency of long generated stories (ConStory)
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
     longsft data extend UNITS.jsonl --out DIR [--buckets 16k,32k,64k,100k] [--resume]
@@ -285,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"MCC {m['mcc']:.3f}  invalid {m['invalid_rate']:.1%}  ({summary['generation']['failed']} failed "
                   f"generations)\nwrote {summary['out']}/eval.json")
             return 0
+        if cmd == "constory":
+            from longsft.eval.constory import main as constory_main
+
+            return constory_main(rest)
         if cmd == "serve":
             from longsft.eval.serve import serve
 
