@@ -127,3 +127,15 @@ def test_report_of_a_folder_without_runs(tmp_path):
 
     with pytest.raises(ConfigError, match="neither a run directory nor a folder of run directories"):
         aggregate([tmp_path])
+
+
+@pytest.mark.parametrize("path, message", [("/nope/model", "model.path=/nope/model: no such folder"),
+                                           ("{empty}", "cannot read its config.json")])
+def test_model_path_that_is_not_a_model(tmp_path, capsys, path, message):
+    from longsft.train.cli import main
+
+    (tmp_path / "empty").mkdir()
+    path = path.format(empty=tmp_path / "empty")
+    assert main(["train", "recipe=tiny", f"model.path={path}", "model.config=null", f"run_dir={tmp_path / 'run'}"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

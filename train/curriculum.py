@@ -92,10 +92,21 @@ def _lock_holder(run_dir) -> str:
 
 def check_model(cfg: RunConfig) -> None:
     """Checks that need only the model's config (no weights): head counts against the SP backend."""
+    import os
+
     from .model import build_hf_config
     from .sequence_parallel import check_heads
 
-    hf = build_hf_config(cfg.model)
+    m = cfg.model
+    for key, value in (("model.path", m.path), ("model.tokenizer", m.tokenizer)):
+        if value and value != "qwen" and (os.sep in value or value.startswith(".")) and not os.path.exists(value) \
+                and value.count("/") != 1:  # "org/name" may be a hub id
+            raise ConfigError(f"{key}={value}: no such folder (a local model folder with config.json, or a hub id "
+                              "already in the Hugging Face cache)")
+    try:
+        hf = build_hf_config(m)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={m.path}: cannot read its config.json ({e})") from None
     check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
                 getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
 
