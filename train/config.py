@@ -46,6 +46,10 @@ class ModelConfig:
     # unless explicitly allowed (and then only with sp_size == 1).
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
+    # Loss memory: LM head + cross-entropy this many target tokens at a time (0: all at once).
+    loss_chunk_tokens: int = 0
+    # Keep the tensors saved for backward (checkpointed layer inputs) in CPU memory.
+    offload_activations: bool = False
 
 
 @dataclass
@@ -407,6 +411,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("optim.micro_batch_size and optim.grad_accum must be >= 1")
     if cfg.parallel.sp_size < 1:
         raise ConfigError("parallel.sp_size must be >= 1")
+    if cfg.model.loss_chunk_tokens < 0:
+        raise ConfigError(f"model.loss_chunk_tokens={cfg.model.loss_chunk_tokens} must be >= 0 (0: no chunking)")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the last checkpoint is what resumes)")
     from .sequence_parallel import check_backend

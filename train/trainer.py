@@ -199,7 +199,8 @@ class StageTrainer:
         for idx in micro:
             batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d, self.cfg.data.packing)
             with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
-                loss, _ = token_loss_sum(self.engine, batch)
+                loss, _ = token_loss_sum(self.engine, batch, self.cfg.model.loss_chunk_tokens,
+                                         self.cfg.model.offload_activations)
                 self.engine.backward(loss * scale)
             self.engine.step()
             loss_sum += loss.detach().double().cpu()
@@ -222,7 +223,7 @@ class StageTrainer:
     def _validate(self, step: int) -> None:
         v = self.cfg.validation
         metrics, rows = run_validation(self.engine, self.tok, self.val, self.d, v.max_new_tokens, v.invalid_policy,
-                                       v.loss, self.pad_id)
+                                       v.loss, self.pad_id, self.cfg.model.loss_chunk_tokens)
         metrics.update(kind="val", stage=self.stage.name, step=step)
         if self.d.is_main:
             write_jsonl(self.dir / "val" / f"step_{step:07d}.jsonl", rows)

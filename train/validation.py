@@ -55,13 +55,13 @@ def generate_judgements(engine, tokenizer, items: list[Encoded], d: Dist, max_ne
 
 
 @torch.no_grad()
-def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int) -> float:
+def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int, chunk_tokens: int = 0) -> float:
     """Teacher-forced token-mean loss over ``items`` (all ranks together)."""
     engine.module.eval()
     total = torch.zeros(2, dtype=torch.float64)
     for i, real in _shard(items, d):
         batch = {k: v.to(d.device) for k, v in collate([items[i]], pad_id).items()}
-        loss, n = token_loss_sum(engine, batch)
+        loss, n = token_loss_sum(engine, batch, chunk_tokens)
         if real:
             total += torch.tensor([loss.item(), n], dtype=torch.float64)
     engine.module.train()
@@ -71,14 +71,14 @@ def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int) -> float
 
 
 def run_validation(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int, policy: str,
-                   with_loss: bool, pad_id: int) -> tuple[dict, list[dict]]:
+                   with_loss: bool, pad_id: int, chunk_tokens: int = 0) -> tuple[dict, list[dict]]:
     """Judgements -> shared scorer metrics (+ validation loss). Identical result on every rank."""
     rows = generate_judgements(engine, tokenizer, items, d, max_new_tokens)
     scored = [Item(id=r["id"], prediction=r["prediction"], gold_score=r["gold_score"], bucket=r["bucket"],
                    language=r["language"], gold_types=tuple(r["types"])) for r in rows]
     result = score_items(scored, policy)
     metrics = {k: result[k] for k in ("balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "n")}
-    metrics["val_loss"] = validation_loss(engine, items, d, pad_id) if with_loss else float("nan")
+    metrics["val_loss"] = validation_loss(engine, items, d, pad_id, chunk_tokens) if with_loss else float("nan")
     return metrics, rows
 
 

@@ -1,0 +1,45 @@
+"""The chunked LM head + cross-entropy and CPU-saved activations give the naive path's loss and
+gradients (one process here; with sequence parallelism and ZeRO-3 in test_sequence_parallel.py)."""
+
+import pytest
+import torch
+
+from longsft.train.data import collate, encode_all, load_samples
+from longsft.train.loss import token_loss_sum
+
+
+def _grads(model, batch, **kw):
+    model.zero_grad()
+    loss, n = token_loss_sum(model, batch, **kw)
+    loss.backward()
+    return loss.item(), n, {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # tied and untied LM head
+def test_chunked_loss_and_offload_equal_the_naive_path(tiny_model_dir, sample_dir, tokenizer, arch):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), dtype=torch.float32)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})  # as build_model
+    model.train()
+    items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:2], tokenizer, 512, "end", "truncate")
+    batch = collate(items[:1], tokenizer.pad_token_id)
+    batch.pop("doc_ids")
+    ref_loss, n, ref = _grads(model, batch)
+    assert n > 8
+    for kw in ({"chunk_tokens": 1}, {"chunk_tokens": 5}, {"chunk_tokens": 10_000}, {"offload_activations": True},
+               {"chunk_tokens": 3, "offload_activations": True}):
+        loss, n2, got = _grads(model, batch, **kw)
+        assert n2 == n and loss == pytest.approx(ref_loss, rel=1e-6), kw
+        assert set(got) == set(ref)
+        for k, g in ref.items():
+            err = ((got[k] - g).norm() / g.norm().clamp_min(1e-12)).item()
+            assert err < 1e-4, (kw, k, err)  # fp32; chunks change the summation order
+
+
+def test_negative_chunk_is_refused():
+    from longsft.train.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match="model.loss_chunk_tokens=-1 must be >= 0"):
+        validate(load_config("tiny", ["model.loss_chunk_tokens=-1"]))
