@@ -12,7 +12,6 @@ bench/results/loss_memory.json. Goal (issue 4): chunked <= 1/40 of naive at 32K 
 """
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -36,7 +36,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from longsft.train.config import ConfigError, build, parse_override, set_path
+from longsft.train.config import ConfigError, from_args
 from longsft.train.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
 
 from .judgement import extract_json_object
@@ -337,15 +337,6 @@ class ConStoryConfig:
     progress: bool = True
 
 
-def _parse(argv: list[str]) -> ConStoryConfig:
-    raw: dict = {}
-    for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"argument {arg!r} is not key=value")
-        set_path(raw, *parse_override(arg))
-    return build(ConStoryConfig, raw)
-
-
 def _backend(cfg: ConStoryConfig, model: str):
     from .harness import EvalConfig, make_backend
 
@@ -372,7 +363,7 @@ def main(argv: list[str]) -> int:
 
     if not argv or argv[0] not in ("generate", "check", "metrics"):
         raise ConfigError("usage: longsft constory generate|check|metrics key=value ...")
-    cmd, cfg = argv[0], _parse(argv[1:])
+    cmd, cfg = argv[0], from_args(ConStoryConfig, argv[1:], "stories=S.jsonl judge=MODEL")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if cmd == "generate":

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.train.config import ConfigError, build, parse_override, set_path, to_dict
+from longsft.train.config import ConfigError, from_args, to_dict
 from longsft.train.io import atomic_write_json, read_log, write_jsonl
 
 from .metrics import Item, score_items
@@ -66,14 +66,7 @@ class EvalConfig:
 
 
 def parse_eval_args(argv: list[str]) -> EvalConfig:
-    raw, where = {}, {}
-    for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"argument {arg!r} is not key=value (e.g. model=PATH data=test.jsonl)")
-        key, value = parse_override(arg)
-        set_path(raw, key, value)
-        where[key] = f"argument {arg!r}"
-    cfg = build(EvalConfig, raw, where=where)
+    cfg = from_args(EvalConfig, argv, "model=PATH data=test.jsonl")
     for key in ("model", "data"):
         if not getattr(cfg, key):
             raise ConfigError(f"{key}= is required (longsft eval model=PATH data=FILE)")

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from longsft.train.config import ConfigError, build, parse_override, set_path
+from longsft.train.config import ConfigError, from_args
 
 
 @dataclass
@@ -29,12 +29,7 @@ class ServeConfig:
 
 
 def serve(argv: list[str]) -> int:
-    raw: dict = {}
-    for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"argument {arg!r} is not key=value (e.g. model=PATH port=8000)")
-        set_path(raw, *parse_override(arg))
-    cfg = build(ServeConfig, raw)
+    cfg = from_args(ServeConfig, argv, "model=PATH port=8000")
     if not cfg.model:
         raise ConfigError("model= is required")
     from .backends import HFBackend

@@ -275,6 +275,19 @@ def _index(node: list, part: str, parts: list[str]) -> int:
     return i
 
 
+def from_args(cls: type, argv: list[str], example: str = "key=value") -> Any:
+    """``key=value`` command-line arguments -> dataclass ``cls`` (typed, unknown keys named)."""
+    raw: dict = {}
+    where: dict[str, str] = {}
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(f"argument {arg!r} is not key=value (e.g. {example})")
+        key, value = parse_override(arg)
+        set_path(raw, key, value)
+        where[key] = f"argument {arg!r}"
+    return build(cls, raw, where=where)
+
+
 def build(cls: type, raw: Any, prefix: str = "", where: dict[str, str] | None = None) -> Any:
     """Convert a nested dict into dataclass ``cls``, checking every key and type."""
     where = where or {}
