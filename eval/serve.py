@@ -62,8 +62,8 @@ def serve(argv: list[str]) -> int:
                 prompt = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
             except (ValueError, KeyError, IndexError) as e:
                 return self._send(400, {"error": {"message": f"bad request: {e}"}})
-            backend.max_new_tokens = int(body.get("max_tokens") or cfg.max_new_tokens)
-            with lock:
+            with lock:  # one generation at a time; max_tokens is per request
+                backend.max_new_tokens = int(body.get("max_tokens") or cfg.max_new_tokens)
                 g = backend.generate(prompt)
             self._send(200, {"object": "chat.completion", "model": body.get("model", cfg.model),
                              "choices": [{"index": 0, "finish_reason": "stop",

@@ -184,3 +184,28 @@ def test_evaluation_sweep_runs_longsft_eval_per_line(cluster, tmp_path, tiny_mod
         assert e["n"] == 4 and e["prompt"] == prompt
     report = cli("report", str(root))
     assert "| end |" in report.stdout and "| begin |" in report.stdout  # Table 4 rows named by task
+
+
+def test_stop_request_by_signal_or_file(tmp_path):
+    """SIGUSR1 to a rank, or <run_dir>/STOP, asks for a stop; acting on it clears both."""
+    import os
+    import signal
+
+    import torch
+
+    from longsft.train.preempt import STOP_FILE, StopWatch
+
+    watch = StopWatch(tmp_path, is_main=True, device=torch.device("cpu"))
+    assert not watch.requested()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert watch.requested()
+    watch.consume()
+    assert not watch.requested()
+    (tmp_path / STOP_FILE).touch()
+    assert watch.requested()
+    watch.consume()
+    assert not (tmp_path / STOP_FILE).exists() and not watch.requested()
+    other = StopWatch(tmp_path, is_main=False, device=torch.device("cpu"))  # only rank 0 reads the file
+    (tmp_path / STOP_FILE).touch()
+    assert not other.requested()
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
