@@ -25,7 +25,7 @@ from collections import Counter
 
 from longsft.eval.judgement import normalize_types
 
-from .data import _INSTRUCTION, _LABELS
+from .data import Sample, render_prompt
 from .io import atomic_write_json, atomic_write_text, iter_jsonl
 from .llm import Cache, Endpoint, LLMError, ask_json
 
@@ -37,8 +37,8 @@ ARBITRATE = ("\n\nTwo reviewers disagreed.\nReviewer A: {a}\nReviewer B: {b}\nCh
 
 
 def judge_prompt(lang: str, article: str, summary: str) -> str:
-    art, summ = _LABELS[lang]
-    return f"{_INSTRUCTION[lang]}\n\n{art}\n{article}\n\n{summ}\n{summary}"
+    """The LongNovel detection prompt (summary at the end), as the trained models see it."""
+    return render_prompt(Sample(id="", language=lang, article=article, summary=summary, gold_score=0, target=""))
 
 
 def _check_summary(obj: dict) -> str | None:

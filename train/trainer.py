@@ -165,9 +165,9 @@ class StageTrainer:
         return self.state
 
     def _save(self, step: int) -> None:
+        resume_state = {"step": step, "best": self.state.get("best")}
         try:
-            checkpoint.save_resume(self.engine, self.d, self.dir, step, {"step": step, "best": self.state.get("best")},
-                                   self.cfg.checkpoint.keep)
+            tag = checkpoint.save_resume(self.engine, self.d, self.dir, step, resume_state, self.cfg.checkpoint.keep)
         except Exception as e:  # disk full, quota, I/O error: say so, and what is still there
             prev = checkpoint.latest_resume(self.dir)
             kept = (f"the previous checkpoint {prev} is intact and a rerun resumes from it" if prev else
@@ -176,7 +176,7 @@ class StageTrainer:
             raise SaveError(f"rank {self.d.rank}: stage {self.stage.name}: saving the checkpoint of step {step} failed "
                             f"({why}); {kept} (free space first)") from e
         self.state["steps_done"] = step
-        self.state["last_checkpoint"] = str(checkpoint.latest_resume(self.dir))
+        self.state["last_checkpoint"] = str(tag)
         self.save_state()
 
     def _stopped(self, step: int, start: float, start_step: int) -> None:
