@@ -97,3 +97,30 @@ def test_best_checkpoint_order():
     assert is_better(dict(base, val_loss=0.9), base)  # BA and MCC tie -> lower loss
     assert not is_better(dict(base, val_loss=math.nan), base)
     assert not is_better(dict(base), base)  # equal is not better: keep the earlier checkpoint
+
+
+def _saved_bytes(model, tokens: int = 256) -> int:
+    """Bytes of the activations the decoder stack saves for backward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 1000, (1, tokens))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model(input_ids=ids, use_cache=False)
+    return sum(seen.values())
+
+
+def test_loaded_model_trains_with_checkpointing(tiny_model_dir):
+    """from_pretrained returns eval mode, where transformers skips checkpointing; build_model must not."""
+    from longsft.train.model import build_model
+
+    path = str(tiny_model_dir())
+    on = build_model(ModelConfig(path=path, tokenizer="qwen", dtype="fp32", gradient_checkpointing=True))
+    off = build_model(ModelConfig(path=path, tokenizer="qwen", dtype="fp32", gradient_checkpointing=False))
+    assert on.training and off.training
+    assert _saved_bytes(on) < 0.5 * _saved_bytes(off)

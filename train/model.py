@@ -120,6 +120,9 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(**kwargs)
     check_attention_routable(model, cfg)
+    # from_pretrained returns eval mode, where transformers skips activation checkpointing: every
+    # stage that starts from a checkpoint would silently keep all activations
+    model.train()
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
