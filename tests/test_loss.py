@@ -43,3 +43,27 @@ def test_negative_chunk_is_refused():
 
     with pytest.raises(ConfigError, match="model.loss_chunk_tokens=-1 must be >= 0"):
         validate(load_config("tiny", ["model.loss_chunk_tokens=-1"]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokenizer, arch):
+    import dataclasses
+
+    from longsft.train.config import ModelConfig
+    from longsft.train.model import build_model
+
+    base = ModelConfig(path=str(tiny_model_dir(arch)), tokenizer="qwen", dtype="fp32")
+    items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:1], tokenizer, 512, "end", "truncate")
+    batch = collate(items, tokenizer.pad_token_id)
+    batch.pop("doc_ids")
+    ref_loss, n, ref = _grads(build_model(base), batch)
+    assert batch["input_ids"].shape[1] % 37  # the last tile is a short one
+    for kw in ({"mlp_tile_tokens": 37}, {"mlp_tile_tokens": 37, "gradient_checkpointing": False}):
+        model = build_model(dataclasses.replace(base, **kw))
+        assert "model.layers.0.mlp.gate_proj.weight" in model.state_dict()  # checkpoints keep their names
+        loss, n2, got = _grads(model, batch, chunk_tokens=16)
+        assert n2 == n and loss == pytest.approx(ref_loss, rel=1e-6), kw
+        assert set(got) == set(ref)
+        for k, g in ref.items():
+            err = ((got[k] - g).norm() / g.norm().clamp_min(1e-12)).item()
+            assert err < 1e-4, (kw, k, err)

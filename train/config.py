@@ -50,6 +50,9 @@ class ModelConfig:
     loss_chunk_tokens: int = 0
     # Keep the tensors saved for backward (checkpointed layer inputs) in CPU memory.
     offload_activations: bool = False
+    # Run each decoder layer's MLP this many tokens at a time, each tile checkpointed (0: whole
+    # sequence): the [tokens, intermediate] tensors of a layer's backward shrink to one tile's.
+    mlp_tile_tokens: int = 0
 
 
 @dataclass
@@ -426,6 +429,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("parallel.sp_size must be >= 1")
     if cfg.model.loss_chunk_tokens < 0:
         raise ConfigError(f"model.loss_chunk_tokens={cfg.model.loss_chunk_tokens} must be >= 0 (0: no chunking)")
+    if cfg.model.mlp_tile_tokens < 0:
+        raise ConfigError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0: no tiling)")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the last checkpoint is what resumes)")
     from .sequence_parallel import check_backend

@@ -125,8 +125,39 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     model.train()
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.mlp_tile_tokens:
+        tile_mlps(model, cfg.mlp_tile_tokens)
     model.config.use_cache = False
     return model
+
+
+def tile_mlps(model, tile: int) -> None:
+    """Run every decoder layer's MLP ``tile`` tokens at a time, each tile checkpointed.
+
+    The MLP is position-wise, so tiles give the same result; in the backward only one tile's
+    gate/up/activation tensors ([tile, intermediate]) exist at a time. The module tree and its
+    parameter names stay as they are (checkpoints are unchanged): only the instance's forward is
+    replaced. Under ZeRO-3 each call gathers the MLP's weights, a collective: every rank makes
+    the same number of calls (the most tiles any rank needs; empty tiles where it has fewer).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.get_decoder().layers:
+        mlp = layer.mlp
+        whole = mlp.forward
+
+        def forward(x: torch.Tensor, whole=whole) -> torch.Tensor:  # x [batch, seq, hidden]
+            if not torch.is_grad_enabled():
+                return whole(x)
+            n = -(-x.shape[1] // tile)
+            if torch.distributed.is_initialized():
+                most = torch.tensor([n], device=x.device)
+                torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+                n = int(most.item())
+            return torch.cat([checkpoint(whole, x[:, i * tile:(i + 1) * tile], use_reentrant=False)
+                              for i in range(max(1, n))], dim=1)
+
+        mlp.forward = forward
 
 
 def check_attention_routable(model, cfg: ModelConfig) -> None:
