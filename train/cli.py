@@ -3,6 +3,9 @@
     longsft train recipe=tiny [key=value ...]     same as launch/curriculum.py (one process)
     longsft config [--get KEY] recipe=NAME [key=value ...]
                                                   print the resolved config (or one key), check it, exit
+    longsft plan recipe=NAME [key=value ...] [--gpus-per-node 8 --nodes 1 --gpu-gib 80 --json F]
+                                                  predicted per-GPU peak memory per stage; exit 1 if one
+                                                  does not fit (and what would make it fit)
     longsft status RUN_DIR                        stage table; exit 0 when every stage is done, else 1
     longsft report DIR [DIR ...] [--out DIR] [--compare A B]
                                                   tables from training runs (a sweep root) or eval runs
@@ -20,7 +23,7 @@
     longsft data mma SAMPLES.jsonl --out F --generator M@URL ... --judge M@URL --judge M@URL --arbiter M@URL
     longsft data ablation SAMPLES.jsonl ... --out DIR [--sizes 1000,2000,all]
 
-Exit status: 0 done, 1 unfinished (status), 2 bad input, 3 training failed (e.g. NaN loss),
+Exit status: 0 done, 1 unfinished (status) or does not fit (plan), 2 bad input, 3 training failed (e.g. NaN loss),
 75 stopped on request with a checkpoint (rerun the same command to resume).
 """
 
@@ -173,6 +176,39 @@ def _config(argv: list[str]) -> int:
     return 0
 
 
+def _plan(argv: list[str]) -> int:
+    from . import plan
+
+    ap = argparse.ArgumentParser(prog="longsft plan", description="predicted per-GPU peak memory of every stage")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100/A100: 80, H200: 141)")
+    ap.add_argument("--host-gib", type=float, default=None, help="host memory per node, to check offloading")
+    ap.add_argument("--reserve-gib", type=float, default=2.0, help="CUDA context, NCCL, fragmentation")
+    ap.add_argument("--targets", type=int, default=None,
+                    help="loss tokens per sequence (default: every token, the worst case)")
+    ap.add_argument("--json", default=None, help="also write the prediction to this file")
+    args, rest = ap.parse_known_args(argv)
+    cfg = parse_run_args(rest)
+    hw = plan.Hardware(args.gpus_per_node, args.nodes, args.gpu_gib, args.host_gib, args.reserve_gib)
+    shape, rows = plan.plan(cfg, hw, args.targets)
+    print(plan.table(cfg, hw, shape, rows))
+    for stage, est in zip(cfg.stages, rows):
+        if not est.fits:
+            fixes = plan.advice(cfg, stage, shape, hw, args.targets)
+            print(f"\nstage {stage.name} does not fit ({est.total / plan.GIB:.1f} of {hw.gpu_gib:g} GiB); "
+                  + ("each of these fits:\n  " + "\n  ".join(fixes) if fixes else
+                     "no single change fits: more GPUs (nodes), a larger sp_size or a shorter seq_len"))
+    if args.json:
+        from .io import atomic_write_json
+
+        atomic_write_json(args.json, plan.to_json(cfg, hw, shape, rows))
+    host_ok = hw.host_gib is None or max(e.host_per_node for e in rows) <= hw.host_gib * plan.GIB
+    if not host_ok:
+        print("\nhost memory does not fit: more nodes (offloaded state is split over every GPU), or offload less")
+    return 0 if host_ok and all(e.fits for e in rows) else 1
+
+
 def _status(argv: list[str]) -> int:
     from .report import read_state, status_table
 
@@ -294,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             from longsft.eval.serve import serve
 
             return serve(rest)
-        handler = {"config": _config, "status": _status, "report": _report, "sweep": _sweep,
+        handler = {"config": _config, "plan": _plan, "status": _status, "report": _report, "sweep": _sweep,
                    "submit": _submit, "data": _data}.get(cmd)
         if handler is not None:
             return handler(rest)

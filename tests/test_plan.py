@@ -1,0 +1,112 @@
+"""The memory planner: model sizes from shipped configs, its terms, advice that works, and its
+prediction against a measured peak (bench/plan_validation.py does more lengths and a ~100M model)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from longsft.train import plan
+from longsft.train.cli import main as cli
+from longsft.train.config import ConfigError, load_config
+
+# published parameter counts of the recipes' models
+PUBLISHED = {"qwen3_8b": 8.19e9, "qwen3_14b": 14.8e9, "qwen3_32b": 32.8e9, "llama3_1_8b": 8.03e9,
+             "glm4_9b": 9.40e9, "internlm2_5_20b": 19.86e9}
+
+
+@pytest.mark.parametrize("recipe", sorted(PUBLISHED))
+def test_shipped_recipes_plan_from_their_shipped_config(recipe):
+    """No weights and no download: the recipe's model.path resolves to recipes/models/<name>.json."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(recipe)
+    shape = plan.model_shape(cfg)
+    assert shape.params == pytest.approx(PUBLISHED[recipe], rel=0.005)
+    with torch.device("meta"):  # the whole model, to check the one-and-two-layer extrapolation
+        full = AutoModelForCausalLM.from_config(plan.hf_config(cfg))
+    assert shape.params == sum(p.numel() for p in full.parameters())
+    rows = [plan.estimate(cfg, s, shape, plan.Hardware()) for s in cfg.stages]
+    assert [e.stage for e in rows] == [s.name for s in cfg.stages]
+    assert all(e.fits for e in rows)  # the paper's setting: 8 x 80 GB, sp=8, ZeRO-3 offload
+
+
+def test_terms_follow_the_recipe_switches():
+    cfg = load_config("qwen3_8b")
+    shape, hw = plan.model_shape(cfg), plan.Hardware()
+    stage = cfg.stages[-1]  # 100K tokens over 8 ranks
+    base = plan.estimate(cfg, stage, shape, hw)
+    t = stage.seq_len // 8
+    assert base.tokens_per_gpu == t
+    # loss memory is one 1024-token chunk of bf16 logits, fp32 copy, log-softmax and gradient
+    assert base.phases["loss"]["loss"] == 1024 * 151936 * (2 + 4 + 4 + 4)
+    # offloaded optimizer and parameters: no partitions on the GPU, 20 bytes per parameter on the host
+    assert base.resident["grads"] == base.resident["optimizer"] == 0
+    assert base.host_per_node == pytest.approx(8 * shape.params / 8 * (2 + 6 + 4 + 8))
+
+    def with_(*overrides):
+        c = load_config("qwen3_8b", list(overrides))
+        return plan.estimate(c, c.stages[-1], shape, hw)
+
+    on_gpu = with_("deepspeed.offload_optimizer=false", "deepspeed.offload_param=false")
+    assert on_gpu.resident["params"] >= 2 * shape.params / 8
+    assert on_gpu.resident["optimizer"] == pytest.approx((4 + 8) * shape.params / 8)
+    assert on_gpu.host_per_node == 0
+    # tiling the MLP shrinks the traced layer working set; offloading activations moves the
+    # checkpointed layer inputs (layers x tokens x hidden x 2 bytes) to the host
+    tiled = with_("model.mlp_tile_tokens=1024")
+    assert tiled.phases["layers"]["activations"] < base.phases["layers"]["activations"] - 2 * t * 12288 * 2
+    off = with_("model.offload_activations=true")
+    moved = 36 * t * 4096 * 2
+    assert base.phases["layers"]["activations"] - off.phases["layers"]["activations"] == pytest.approx(moved)
+    assert off.host_per_node - base.host_per_node == pytest.approx(8 * moved)
+    no_ckpt = with_("model.gradient_checkpointing=false")
+    assert no_ckpt.phases["layers"]["activations"] > 5 * base.phases["layers"]["activations"]
+    sp4 = with_("parallel.sp_size=4")
+    assert sp4.tokens_per_gpu == 2 * t and sp4.total > base.total
+
+
+def test_advice_fits_when_applied(capsys):
+    """A stage that does not fit gets changes; rerunning the plan with one of them fits."""
+    args = ["recipe=qwen3_8b", "parallel.sp_size=1", "deepspeed.config=zero3", "--gpus-per-node", "1",
+            "--gpu-gib", "141"]
+    assert cli(["plan", *args]) == 1
+    out = capsys.readouterr().out
+    assert "stage s100k does not fit" in out
+    fix = out.split("stage s100k does not fit")[1].split("\n")[1].split(" (->")[0].split()
+    assert fix and all("=" in f for f in fix)
+    assert cli(["plan", *args, *fix]) == 0
+
+
+def test_plan_cli_json_and_bad_input(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert cli(["plan", "recipe=tiny", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    assert [s["stage"] for s in saved["stages"]] == ["warmup_512", "s1k", "s2k", "s4k"]
+    assert saved["shape"]["params"] == plan.model_shape(load_config("tiny")).params
+    capsys.readouterr()
+    assert cli(["plan", "recipe=qwen3_8b", "model.path=/nowhere/My-Model"]) == 2
+    assert "model.path='/nowhere/My-Model': no config.json there" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="parallel.sp_size=8 does not divide the world size 12"):
+        cfg = load_config("qwen3_8b")
+        plan.estimate(cfg, cfg.stages[0], plan.model_shape(cfg), plan.Hardware(gpus_per_node=12))
+
+
+def test_local_checkpoint_config_is_read(tiny_model_dir):
+    cfg = load_config("tiny", [f"model.path={tiny_model_dir()}", "model.config=null"])
+    assert plan.model_config_source(cfg).endswith("config.json")
+    assert plan.model_shape(cfg).hidden == 64
+
+
+@pytest.mark.slow
+def test_prediction_matches_a_measured_peak(tmp_path):
+    """One real ZeRO-3 (offload) training process on CPU: predicted vs peak RSS within 15%."""
+    out = tmp_path / "v.json"
+    subprocess.run([sys.executable, str(ROOT / "bench" / "plan_validation.py"), "--models", "tiny", "--settings",
+                    "zero3_offload", "--lengths", "8192", "--out", str(out)], check=True, cwd=ROOT,
+                   capture_output=True)
+    row = json.loads(out.read_text())["rows"][0]
+    assert abs(row["error"]) < 0.15, row

@@ -1,0 +1,418 @@
+"""Memory planner: each stage's predicted per-GPU peak, from the model's config.json alone.
+
+    longsft plan recipe=qwen3_32b [key=value ...] [--gpus-per-node 8] [--nodes 1] [--gpu-gib 80]
+
+The prediction is a sum of named terms (bytes per GPU), each from the recipe and the model shape:
+
+- ``params``     ZeRO-3 partition of the bf16/fp32 weights (0 with ``offload_param``), plus the
+                 small persistent parameters every rank keeps whole (norms, biases);
+- ``gathered``   weights gathered for compute: the largest module plus the prefetch bucket;
+- ``grads``      gradient partition (0 with ``offload_optimizer``) plus the reduce bucket and the
+                 largest module's full gradient before it is reduce-scattered;
+- ``optimizer``  fp32 master weights and Adam's two moments (0 with ``offload_optimizer``);
+- ``activations`` with checkpointing: every layer's input, one layer's recomputed saved tensors,
+                 and the gradients in flight through it; without: every layer's saved tensors;
+- ``attention``  ring attention's fp32 accumulators and K/V blocks in flight (sp > 1);
+- ``loss``       logits, their fp32 copy, log-softmax and gradient for one loss chunk (or all
+                 target rows when ``model.loss_chunk_tokens=0``);
+- ``reserve``    CUDA context, NCCL and allocator fragmentation (``--reserve-gib``).
+
+Bytes saved for backward per token and layer are not guessed: the planner runs the real
+transformers modelling code on the meta device (no memory, no weights) with one and with two
+layers and sums the tensors autograd saves (attention through a stand-in that saves exactly what
+flash and ring kernels keep: q, k, v, out and the log-sum-exp). Parameter counts come from the same
+meta model. Host memory per node (offloaded optimizer, parameters and activations) is reported too.
+``bench/plan_validation.py`` compares the prediction with measured peaks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .config import RECIPE_DIR, ConfigError, ModelConfig, RunConfig, StageConfig
+
+GIB = 2**30
+MODEL_DIR = RECIPE_DIR / "models"  # config.json of each shipped recipe's model, named after model.path
+
+
+@dataclass
+class Hardware:
+    """Where the run goes. ``host_gib`` is per node (None: not checked)."""
+
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_gib: float = 80.0
+    host_gib: float | None = None
+    reserve_gib: float = 2.0
+
+    @property
+    def world(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class Shape:
+    """What the planner needs from a model: sizes (elements) and saved bytes per token (per dtype)."""
+
+    name: str
+    hidden: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    params: int  # all parameters
+    layer_params: int  # one decoder layer
+    largest_module: int  # largest single weight (embedding or LM head, usually)
+    persistent: int  # parameters below ZeRO-3's persistence threshold (kept whole on every rank)
+    hf: object = field(default=None, repr=False)  # the HF config (traced for activations)
+    traces: dict = field(default_factory=dict, repr=False)  # (tokens, settings) -> traced bytes
+
+
+@dataclass
+class Estimate:
+    """One stage's prediction (bytes per GPU): resident terms plus the largest of the working sets.
+
+    The working set is taken at the three points of a step where memory peaks: the loss (LM head
+    and cross-entropy), the backward through the decoder layers, and the embedding's backward.
+    """
+
+    stage: str
+    seq_len: int
+    tokens_per_gpu: int
+    resident: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    reserve: float = 0.0
+    host_per_node: float = 0.0
+    gpu_bytes: float = 0.0
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: sum(self.phases[k].values()))
+
+    @property
+    def terms(self) -> dict[str, float]:
+        """Resident terms and the peak working set's terms, one flat breakdown of ``total``."""
+        return {**self.resident, **self.phases[self.peak_phase], "reserve": self.reserve}
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+
+# --------------------------------------------------------------------------- model shape
+
+
+def model_config_source(cfg: RunConfig) -> str:
+    """Where the model's config comes from: inline ``model.config``, a local checkpoint, or a shipped file."""
+    if cfg.model.config is not None:
+        return "recipe"
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file():
+        return str(path / "config.json")
+    shipped = MODEL_DIR / f"{path.name}.json"
+    if shipped.is_file():
+        return str(shipped)
+    raise ConfigError(f"model.path={cfg.model.path!r}: no config.json there and none shipped as {shipped}; "
+                      "point model.path at a local checkpoint folder (only its config.json is read)")
+
+
+def hf_config(cfg: RunConfig):
+    """The HF config the run would train (rope scaling applied), without any weights."""
+    from transformers import AutoConfig
+
+    from .model import build_hf_config
+
+    source = model_config_source(cfg)
+    if source == "recipe":
+        return build_hf_config(cfg.model)
+    raw = json.loads(Path(source).read_text())
+    model_type = raw.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(f"{source}: no model_type")
+    for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "auto_map"):
+        raw.pop(key, None)
+    inline = dataclasses.replace(cfg.model, path=None, config={"model_type": model_type, **raw})
+    AutoConfig.for_model(model_type)  # unknown model types fail here with transformers' own message
+    return build_hf_config(inline)
+
+
+class _SavedLikeFlash(torch.autograd.Function):
+    """Attention stand-in for tracing: saves q, k, v, out and fp32 log-sum-exp, as flash/ring kernels do."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors[:3]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _trace_attention(module, query, key, value, attention_mask, **kwargs):
+    return _SavedLikeFlash.apply(query, key, value).transpose(1, 2), None
+
+
+def _meta_model(hf, layers: int, dtype: torch.dtype):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register("longsft_plan_trace", _trace_attention)
+    hf = copy.deepcopy(hf)
+    hf.num_hidden_layers = layers
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the layer count
+        if isinstance(getattr(hf, key, None), list):
+            setattr(hf, key, getattr(hf, key)[:layers])
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="longsft_plan_trace")
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of live tensor storages created under this mode (current and peak); parameters excluded."""
+
+    def __init__(self, ignore: set[int]):
+        super().__init__()
+        self.ignore, self.live, self.now, self.peak = ignore, {}, 0, 0
+
+    def _track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.ignore or key in self.live:
+            return
+        n = storage.nbytes()
+
+        def freed(_ref, key=key, n=n):
+            self.live.pop(key, None)
+            self.now -= n
+
+        self.live[key] = weakref.ref(storage, freed)
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
+    """Peak bytes of activations, their gradients and one module's weight gradient at a time (DeepSpeed
+    moves each weight gradient into its reduce bucket as soon as it is ready) over the decoder stack's
+    forward and backward at ``tokens`` tokens; the embedding and LM head are accounted for apart."""
+    from .model import tile_mlps
+
+    dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float32
+    model = _meta_model(hf, layers, dtype)
+    model.train()
+    if m.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if m.mlp_tile_tokens:
+        tile_mlps(model, m.mlp_tile_tokens)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    x = torch.zeros(1, tokens, hf.hidden_size, device="meta", dtype=dtype, requires_grad=True)
+    pos = torch.arange(tokens, device="meta")[None]
+    live = _LiveBytes({p.untyped_storage()._cdata for p in model.parameters()})
+    with live:
+        h = model.model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state
+        h.backward(torch.ones_like(h))
+    return live.peak
+
+
+def stack_activations(shape: Shape, m: ModelConfig, tokens: int) -> tuple[float, float]:
+    """(peak over the decoder stack's forward+backward, bytes kept from the forward's end) at ``tokens``.
+
+    Traced with one and with two layers at exactly ``tokens`` tokens (meta tensors cost nothing), so
+    tiling and chunking show as they are; each further layer adds what the second one added.
+    """
+    key = (tokens, m.dtype, m.gradient_checkpointing, m.mlp_tile_tokens)
+    if key not in shape.traces:
+        one, two = (_activation_peak(shape.hf, n, m, tokens) for n in (1, 2))
+        per_layer = two - one
+        shape.traces[key] = (one + (shape.layers - 1) * per_layer, shape.layers * per_layer)
+    return shape.traces[key]
+
+
+def model_shape(cfg: RunConfig) -> Shape:
+    """Sizes of the model ``cfg`` trains, from its config alone (meta device: no memory)."""
+    hf = hf_config(cfg)
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    one, two = _meta_model(hf, 1, dtype), _meta_model(hf, 2, dtype)
+    n1 = sum(p.numel() for p in one.parameters())
+    n2 = sum(p.numel() for p in two.parameters())
+    per_layer = n2 - n1
+    threshold = 10 * hf.hidden_size  # DeepSpeed's stage3_param_persistence_threshold as engine.py fills it
+    layer_small = sum(p.numel() for p in two.model.layers[1].parameters() if p.numel() < threshold)
+    outer_small = sum(p.numel() for n, p in one.named_parameters() if ".layers." not in n and p.numel() < threshold)
+    largest = max(m.weight.numel() for m in one.modules() if isinstance(getattr(m, "weight", None), torch.Tensor))
+    heads = hf.num_attention_heads
+    return Shape(
+        name=getattr(hf, "name_or_path", "") or hf.model_type, hidden=hf.hidden_size, layers=hf.num_hidden_layers,
+        vocab=hf.vocab_size, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, intermediate=hf.intermediate_size,
+        params=n1 + (hf.num_hidden_layers - 1) * per_layer, layer_params=per_layer, largest_module=largest,
+        persistent=outer_small + hf.num_hidden_layers * layer_small, hf=hf)
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+def zero_settings(cfg: RunConfig, stage: StageConfig, world: int, hidden: int) -> dict:
+    """The DeepSpeed settings the run would use (``auto`` filled exactly as the trainer fills it)."""
+    from .engine import build_ds_config
+
+    ds = build_ds_config(cfg, stage, world, hidden)
+    zero = ds.get("zero_optimization", {})
+    return {"stage": zero.get("stage", 0),
+            "offload_optimizer": zero.get("offload_optimizer", {}).get("device", "none") == "cpu",
+            "offload_param": zero.get("offload_param", {}).get("device", "none") == "cpu",
+            "reduce_bucket": int(zero.get("reduce_bucket_size", 5e8)),
+            "prefetch_bucket": int(zero.get("stage3_prefetch_bucket_size", 5e7)),
+            "max_live": int(zero.get("stage3_max_live_parameters", 1e9))}
+
+
+def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targets: int | None = None) -> Estimate:
+    """Predicted per-GPU peak of one stage (bytes by term) and host memory per node.
+
+    ``targets``: loss rows per GPU; None takes the worst case (every local token is a target).
+    """
+    world, sp = hw.world, cfg.parallel.sp_size
+    if world % sp:
+        raise ConfigError(f"parallel.sp_size={sp} does not divide the world size {world}")
+    z = zero_settings(cfg, stage, world, shape.hidden)
+    if z["stage"] != 3:
+        raise ConfigError(f"deepspeed.config={cfg.deepspeed.config!r}: the planner models ZeRO stage 3 "
+                          f"(this config is stage {z['stage']})")
+    b = 2 if cfg.model.dtype == "bf16" else 4  # weights, activations and gradients
+    t = -(-cfg.optim.micro_batch_size * stage.seq_len // sp)  # tokens per GPU
+    h, kv, d, H, L, V = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.layers, shape.vocab
+    part = shape.params / world
+    e = Estimate(stage.name, stage.seq_len, t, reserve=hw.reserve_gib * GIB, gpu_bytes=hw.gpu_gib * GIB)
+    host = 0.0
+
+    # DeepSpeed ZeRO-3 buffers (stage3.py): bf16/fp32 weight partition, fp32 master copy (the weight
+    # partition itself for fp32 weights kept on the same device), the gradient partition it
+    # accumulates into (weight dtype), an fp32 gradient for the optimizer, Adam's two fp32 moments.
+    master = 4 * part if (b < 4 or z["offload_optimizer"]) else 0
+    weights = b * part
+    partitions = (b + 4) * part + master + 8 * part
+    host += (weights if z["offload_param"] else 0) + (partitions if z["offload_optimizer"] else 0)
+    e.resident = {"params": b * shape.persistent + (0 if z["offload_param"] else weights),
+                  "grads": 0 if z["offload_optimizer"] else (b + 4) * part,
+                  "optimizer": 0 if z["offload_optimizer"] else master + 8 * part}
+
+    # activations: traced peak over the decoder stack (one layer, plus each further layer's share)
+    stack, kept = stack_activations(shape, cfg.model, t)  # kept: alive from the forward's end on
+    if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
+        off = L * t * H * b  # checkpointed layer inputs wait in host memory
+        stack, kept, host = stack - off, kept - off, host + off
+    # ring attention: fp32 out/lse and dq/dk/dv accumulators (dk, dv double-buffered while they
+    # travel), and the K/V blocks in flight
+    ring = 0 if sp == 1 else t * (4 * h * d + 4 * h + 4 * kv * d * (1 + 4) + 4 * kv * d * b)
+    rows = t if targets is None else min(t, targets)
+    if cfg.model.loss_chunk_tokens:
+        rows = min(rows, cfg.model.loss_chunk_tokens)
+    big = b * shape.largest_module  # embedding or LM head: gathered whole, and its whole gradient
+    comm = b * (z["reduce_bucket"] + z["prefetch_bucket"])
+    # measured (bench/plan_validation.py): with the optimizer offloaded, the largest module's
+    # gradient is held twice while it is reduced and copied out
+    big_grad = big * (2 if z["offload_optimizer"] else 1)
+    e.phases = {
+        # logits, their fp32 copy, log-softmax and gradient of one chunk; the head and its gradient
+        "loss": {"gathered": big, "weight_grad": big_grad, "activations": kept,
+                 "loss": rows * V * (b + (4 if b < 4 else 0) + 4 + 4), "comm": comm},
+        # the head stays gathered for its reuse by a tied embedding (stage3_max_reuse_distance)
+        "layers": {"gathered": big + b * shape.layer_params, "weight_grad": 0, "activations": stack,
+                   "attention": ring, "comm": comm},
+        "embedding": {"gathered": big, "weight_grad": big_grad, "activations": t * H * b, "comm": comm},
+    }
+    e.host_per_node = host * hw.gpus_per_node
+    return e
+
+
+def plan(cfg: RunConfig, hw: Hardware, targets: int | None = None) -> tuple[Shape, list[Estimate]]:
+    shape = model_shape(cfg)
+    return shape, [estimate(cfg, s, shape, hw, targets) for s in cfg.stages]
+
+
+def advice(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targets: int | None = None) -> list[str]:
+    """Changes (``key=value``) that make a stage fit that does not; each one checked by re-estimating."""
+    tries: list[dict] = []
+    for sp in (2, 4, 8, 16, 32, 64):
+        if sp > cfg.parallel.sp_size and hw.world % sp == 0 and \
+                (cfg.parallel.sp_backend != "ulysses" or shape.heads % sp == 0):
+            tries.append({"parallel.sp_size": sp})
+    if not cfg.model.gradient_checkpointing:
+        tries.append({"model.gradient_checkpointing": True})
+    tries += [{"deepspeed.offload_optimizer": True}, {"deepspeed.offload_param": True},
+              {"model.offload_activations": True}]
+    if not cfg.model.loss_chunk_tokens or cfg.model.loss_chunk_tokens > 1024:
+        tries.append({"model.loss_chunk_tokens": 1024})
+    tries.append({"deepspeed.offload_optimizer": True, "deepspeed.offload_param": True,
+                  "model.offload_activations": True})
+    now = estimate(cfg, stage, shape, hw, targets).total
+    out = []
+    for change in tries:
+        trial = copy.deepcopy(cfg)
+        for key, value in change.items():
+            section, name = key.split(".")
+            setattr(getattr(trial, section), name, value)
+        est = estimate(trial, stage, shape, hw, targets)
+        if est.fits and est.total < now:
+            words = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items())
+            out.append(f"{words} (-> {est.total / GIB:.1f} GiB)")
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+TERMS = ("params", "grads", "optimizer", "gathered", "weight_grad", "activations", "attention", "loss", "comm",
+         "reserve")
+
+
+def table(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) -> str:
+    z = zero_settings(cfg, cfg.stages[0], hw.world, shape.hidden)
+    head = (f"{cfg.recipe}: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+            f"vocab {shape.vocab}), {cfg.model.dtype}, {hw.nodes} node(s) x {hw.gpus_per_node} GPUs of "
+            f"{hw.gpu_gib:g} GiB, sp={cfg.parallel.sp_size}, ZeRO-3 offload optimizer={z['offload_optimizer']} "
+            f"param={z['offload_param']}, checkpointing={cfg.model.gradient_checkpointing}, "
+            f"loss chunk={cfg.model.loss_chunk_tokens or 'off'}")
+    lines = [head, "", "| stage | seq_len | tokens/GPU | " + " | ".join(TERMS) + " | total GiB | peak at | fits |",
+             "|---|---:|---:|" + "---:|" * len(TERMS) + "---:|---|"]
+    for e in rows:
+        cells = " | ".join(f"{e.terms.get(k, 0) / GIB:.2f}" for k in TERMS)
+        lines.append(f"| {e.stage} | {e.seq_len} | {e.tokens_per_gpu} | {cells} | {e.total / GIB:.1f} | "
+                     f"{e.peak_phase} | {'yes' if e.fits else 'NO'} |")
+    host = max(e.host_per_node for e in rows) / GIB
+    need = f"host memory per node: {host:.1f} GiB (offloaded optimizer, parameters, activations)"
+    if hw.host_gib is not None:
+        need += f" of {hw.host_gib:g} GiB: {'fits' if host <= hw.host_gib else 'DOES NOT FIT'}"
+    lines += ["", need]
+    return "\n".join(lines)
+
+
+def to_json(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) -> dict:
+    sizes = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape) if f.repr}
+    return {"recipe": cfg.recipe, "hardware": dataclasses.asdict(hw), "shape": sizes,
+            "stages": [{"stage": e.stage, "seq_len": e.seq_len, "tokens_per_gpu": e.tokens_per_gpu,
+                        "terms_bytes": e.terms, "peak_at": e.peak_phase, "phases_bytes": e.phases,
+                        "total_bytes": e.total, "fits": e.fits,
+                        "host_bytes_per_node": e.host_per_node} for e in rows]}
