@@ -1,6 +1,8 @@
 """The chunked LM head + cross-entropy and CPU-saved activations give the naive path's loss and
 gradients (one process here; with sequence parallelism and ZeRO-3 in test_sequence_parallel.py)."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -67,3 +69,11 @@ def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokeniz
         for k, g in ref.items():
             err = ((got[k] - g).norm() / g.norm().clamp_min(1e-12)).item()
             assert err < 1e-4, (kw, k, err)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
+def test_liger_without_the_package_is_refused_with_the_fix():
+    from longsft.train.config import ConfigError, load_config, validate
+
+    with pytest.raises(ConfigError, match="model.loss_kernel=liger needs the liger-kernel package"):
+        validate(load_config("tiny", ["model.loss_kernel=liger"]))

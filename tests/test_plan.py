@@ -65,6 +65,9 @@ def test_terms_follow_the_recipe_switches():
     assert off.host_per_node - base.host_per_node == pytest.approx(8 * moved)
     no_ckpt = with_("model.gradient_checkpointing=false")
     assert no_ckpt.phases["layers"]["activations"] > 5 * base.phases["layers"]["activations"]
+    c = load_config("qwen3_8b")
+    c.model.loss_kernel = "liger"  # (validate() would want the package; the planner needs none)
+    assert plan.estimate(c, c.stages[-1], shape, hw).phases["loss"]["loss"] < base.phases["loss"]["loss"]
     sp4 = with_("parallel.sp_size=4")
     assert sp4.tokens_per_gpu == 2 * t and sp4.total > base.total
 

@@ -48,6 +48,9 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     # Loss memory: LM head + cross-entropy this many target tokens at a time (0: all at once).
     loss_chunk_tokens: int = 0
+    # torch: LM head + cross-entropy in PyTorch (chunked as above); liger: Liger's fused linear
+    # cross-entropy kernel (GPU, liger-kernel installed; it chunks by itself).
+    loss_kernel: Literal["torch", "liger"] = "torch"
     # Keep the tensors saved for backward (checkpointed layer inputs) in CPU memory.
     offload_activations: bool = False
     # Run each decoder layer's MLP this many tokens at a time, each tile checkpointed (0: whole
@@ -429,6 +432,12 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("parallel.sp_size must be >= 1")
     if cfg.model.loss_chunk_tokens < 0:
         raise ConfigError(f"model.loss_chunk_tokens={cfg.model.loss_chunk_tokens} must be >= 0 (0: no chunking)")
+    if cfg.model.loss_kernel == "liger":
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ConfigError("model.loss_kernel=liger needs the liger-kernel package (GPU): pip install "
+                              "liger-kernel, or model.loss_kernel=torch with model.loss_chunk_tokens")
     if cfg.model.mlp_tile_tokens < 0:
         raise ConfigError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0: no tiling)")
     if cfg.checkpoint.keep < 1:

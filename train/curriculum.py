@@ -109,6 +109,11 @@ def check_model(cfg: RunConfig) -> None:
         raise ConfigError(f"model.path={m.path}: cannot read its config.json ({e})") from None
     check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
                 getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+    import torch
+
+    if m.loss_kernel == "liger" and not torch.cuda.is_available():
+        raise ConfigError("model.loss_kernel=liger runs on CUDA GPUs only; use model.loss_kernel=torch "
+                          "(with model.loss_chunk_tokens) on this machine")
 
 
 def check_data(cfg: RunConfig) -> None:

@@ -8,6 +8,10 @@ forward and recomputed in the backward): peak loss memory is one chunk's ``[chun
 logits and their gradient, whatever the number of targets. The LM head is called as a module, so
 ZeRO-3 gathers its (partitioned) weight for every call, forward and recompute alike; every rank
 makes the same number of calls.
+``model.loss_kernel=liger`` hands the target positions' hidden states and the head weight to
+Liger's fused linear cross-entropy (GPU), which computes the weight and input gradients chunk by
+chunk inside its forward. Under ZeRO-3 the partitioned head weight is gathered around that call
+(the gradient is already computed when it is re-partitioned).
 ``model.offload_activations`` keeps the tensors saved for backward (with gradient checkpointing:
 each layer's input) in CPU memory during the forward.
 
@@ -30,7 +34,7 @@ from .data import IGNORE
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
-                   offload_activations: bool = False) -> tuple[torch.Tensor, int]:
+                   offload_activations: bool = False, kernel: str = "torch") -> tuple[torch.Tensor, int]:
     """Sum of token cross-entropies (fp32) and the number of target tokens in ``batch``.
 
     batch: input_ids, position_ids, shift_labels (+ attention_mask unless sequence-sharded) — [batch, seq].
@@ -43,15 +47,18 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
     saved = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_activations \
         else nullcontext()
     with saved:
-        if chunk_tokens <= 0:
+        if chunk_tokens <= 0 and kernel == "torch":
             out = model(**kw, logits_to_keep=keep)
             logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [n_targets, vocab]
             loss = F.cross_entropy(logits, targets[keep], reduction="sum")
         else:
             out = model(**kw, logits_to_keep=torch.zeros_like(keep), output_hidden_states=True)
             hidden = out.hidden_states[-1][keep]  # [n_targets, hidden]: the final (normed) hidden states
-            loss = chunked_cross_entropy(getattr(model, "module", model).get_output_embeddings(), hidden,
-                                         targets[keep], chunk_tokens)
+            head = getattr(model, "module", model).get_output_embeddings()
+            if kernel == "liger":
+                loss = liger_cross_entropy(head, hidden, targets[keep])
+            else:
+                loss = chunked_cross_entropy(head, hidden, targets[keep], chunk_tokens)
     return loss, int(keep.sum())
 
 
@@ -73,6 +80,20 @@ def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: 
         i = k * chunk
         total = total + checkpoint(part, hidden[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
     return total
+
+
+def liger_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """sum CE(head(hidden), targets) by Liger's fused kernel; hidden [n, H], targets [n] (GPU only)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    gathered = nullcontext()
+    if hasattr(head.weight, "ds_id"):  # ZeRO-3: every rank gathers (a collective), whatever its n
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([head.weight], modifier_rank=None)
+    with gathered:
+        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")(
+            head.weight, hidden, targets).float()
 
 
 def backward_scale(n_global_tokens: int, dp_world_size: int, grad_accum: int) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,17 +329,18 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     # travel), and the K/V blocks in flight
     ring = 0 if sp == 1 else t * (4 * h * d + 4 * h + 4 * kv * d * (1 + 4) + 4 * kv * d * b)
     rows = t if targets is None else min(t, targets)
-    if cfg.model.loss_chunk_tokens:
-        rows = min(rows, cfg.model.loss_chunk_tokens)
+    if cfg.model.loss_kernel == "liger":  # its own chunks of ~rows / (V / H) rows; a dense weight gradient
+        chunk = 1 << max(0, math.ceil(math.log2(max(1, -(-rows // -(-V // H))))))
+        loss = chunk * V * b + V * H * b + rows * H * b
+    else:  # logits, their fp32 copy, log-softmax and gradient of one chunk
+        loss = min(rows, cfg.model.loss_chunk_tokens or rows) * V * (b + (4 if b < 4 else 0) + 4 + 4)
     big = b * shape.largest_module  # embedding or LM head: gathered whole, and its whole gradient
     comm = b * (z["reduce_bucket"] + z["prefetch_bucket"])
     # measured (bench/plan_validation.py): with the optimizer offloaded, the largest module's
     # gradient is held twice while it is reduced and copied out
     big_grad = big * (2 if z["offload_optimizer"] else 1)
     e.phases = {
-        # logits, their fp32 copy, log-softmax and gradient of one chunk; the head and its gradient
-        "loss": {"gathered": big, "weight_grad": big_grad, "activations": kept,
-                 "loss": rows * V * (b + (4 if b < 4 else 0) + 4 + 4), "comm": comm},
+        "loss": {"gathered": big, "weight_grad": big_grad, "activations": kept, "loss": loss, "comm": comm},
         # the head stays gathered for its reuse by a tied embedding (stage3_max_reuse_distance)
         "layers": {"gathered": big + b * shape.layer_params, "weight_grad": 0, "activations": stack,
                    "attention": ring, "comm": comm},

@@ -200,7 +200,7 @@ class StageTrainer:
             batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d, self.cfg.data.packing)
             with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
                 loss, _ = token_loss_sum(self.engine, batch, self.cfg.model.loss_chunk_tokens,
-                                         self.cfg.model.offload_activations)
+                                         self.cfg.model.offload_activations, self.cfg.model.loss_kernel)
                 self.engine.backward(loss * scale)
             self.engine.step()
             loss_sum += loss.detach().double().cpu()
