@@ -1,4 +1,4 @@
-"""Sequence parallelism (`torch` zigzag ring and `ulysses` backends) equals one process.
+"""Sequence parallelism (`torch` zigzag ring, `ulysses` and `ring_flash_attn` backends) equals one process.
 
 Attention level: output and dQ/dK/dV on 2 and 4 ranks vs full causal attention, fp32 and bf16.
 Model level: tiny Qwen3 and tiny Llama under ZeRO-3, sp=2 vs one process on the same global
@@ -7,6 +7,7 @@ loss trajectory through the real curriculum.
 """
 
 import json
+import os
 
 import pytest
 import torch
@@ -49,9 +50,14 @@ def test_parallel_degrees_are_checked():
 
 
 def test_unavailable_backend_fails_at_startup():
-    cfg = load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn"])
+    cfg = load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn", "model.dtype=bf16"])
     with pytest.raises(ConfigError, match="needs the flash-attn package"):
-        validate(cfg)
+        validate(cfg)  # flash-attn cannot be installed without CUDA
+    with pytest.raises(ConfigError, match="flash-attn kernels, which take bf16"):
+        validate(load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn"]))  # tiny: fp32
+    with pytest.raises(ConfigError, match="data.packing with parallel.sp_backend=ring_flash_attn"):
+        validate(load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn", "data.packing=true",
+                                      "model.dtype=bf16"]))
 
 
 def test_ulysses_head_count_is_checked():
@@ -65,9 +71,13 @@ def test_ulysses_head_count_is_checked():
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ring_attention_equals_full_attention(tmp_path, nproc):
     out = tmp_path / "errs.json"
-    torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc)
+    # ring_flash_attn: ring-flash-attn's own ring code, fed flash-attn's kernel interface on CPU
+    stand_in = str(ROOT / "tests" / "flash_attn_cpu")
+    env = {"LONGSFT_TEST_RING_FLASH_ATTN": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (stand_in, os.environ.get("PYTHONPATH")) if p)}
+    torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc, env=env)
     cases = json.loads(out.read_text())
-    assert {c["backend"] for c in cases} == {"torch", "ulysses"}
+    assert {c["backend"] for c in cases} == {"torch", "ulysses", "ring_flash_attn"}
     assert {c["packed"] for c in cases} == {True, False}
     for case in cases:
         tol = 1e-5 if case["dtype"] == "torch.float32" else 2e-2  # bf16: rounding of inputs/outputs

@@ -444,6 +444,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the last checkpoint is what resumes)")
     from .sequence_parallel import check_backend
 
+    if cfg.parallel.sp_backend == "ring_flash_attn" and cfg.parallel.sp_size > 1 and cfg.model.dtype == "fp32":
+        raise ConfigError("parallel.sp_backend=ring_flash_attn runs flash-attn kernels, which take bf16 (its fp32 "
+                          "ring backward is wrong): set model.dtype=bf16, or parallel.sp_backend=torch for fp32")
     check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size, cfg.data.packing)
 
 

@@ -15,6 +15,12 @@ ring rather than reuse ring-flash-attn's because its ring/zigzag backward was se
 on CPU, and because its import needs the flash-attn package that neither CPU machines nor our GPU
 image have; this version is right in fp32 and bf16 (tests/test_sequence_parallel.py).
 
+Backend ``ring_flash_attn`` (:func:`ring_flash_attention`): ring-flash-attn's own zigzag ring on
+flash-attn's kernels, the usual GPU path, for users who have flash-attn. Its forward and backward
+are ring-flash-attn's; flash-attn takes bf16/fp16 only, and the fp32 backward seen wrong is
+refused with it (``model.dtype=fp32`` is a config error for this backend). Packed documents (its
+llama3 varlen ring) are not built: refused at start-up.
+
 Backend ``ulysses`` (:func:`ulysses_attention`): DeepSpeed-Ulysses' scheme — all-to-all from
 sequence shards to head shards, local causal SDPA over the whole sequence, all-to-all back — on
 the same zigzag shards (a fixed permutation puts positions in order). We implement it here rather
@@ -31,6 +37,9 @@ plain SDPA over an unsplit sequence.
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
+import importlib.util
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -72,8 +81,14 @@ def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
     if sp_size == 1 or backend == "torch":
         return
     if backend == "ring_flash_attn":
-        raise ConfigError("parallel.sp_backend=ring_flash_attn is not built yet (it needs the flash-attn package "
-                          "on GPUs); use parallel.sp_backend=torch, the same zigzag ring on PyTorch's fused kernels")
+        if packing:
+            raise ConfigError("data.packing with parallel.sp_backend=ring_flash_attn (its llama3 varlen ring) is not "
+                              "built yet; use parallel.sp_backend=torch or ulysses for packed documents")
+        for package, pip in (("flash_attn", "flash-attn"), ("ring_flash_attn", "ring-flash-attn")):
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"parallel.sp_backend=ring_flash_attn needs the {pip} package (GPUs): pip install "
+                                  f"{pip}, or parallel.sp_backend=torch, the same zigzag ring on PyTorch's fused kernels")
+        return
     if backend == "ulysses":
         return
     raise ConfigError(f"unknown parallel.sp_backend {backend!r}; one of {list(BACKENDS)}")
@@ -86,6 +101,8 @@ def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
 
     _SP.group, _SP.ranks, _SP.size, _SP.rank = group, tuple(ranks), len(ranks), ranks.index(rank)
     _SP.backend = backend
+    if backend == "ring_flash_attn" and len(ranks) > 1:
+        _ring_flash_attn_func()  # import now: a broken install fails here, not in the first forward
     AttentionInterface.register(ATTN_NAME, sp_attention_forward)
     # Masks as for SDPA, so the unsplit fallback (generation) is exactly SDPA; the ring ignores them.
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
@@ -289,6 +306,38 @@ def zigzag_ring_attention(q, k, v, scale: float | None = None, doc_ids: torch.Te
     return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs)
 
 
+def _ring_flash_attn_func():
+    """ring-flash-attn's ``zigzag_ring_flash_attn_func``, imported without the package's ``__init__``.
+
+    ring-flash-attn 0.1.8's ``__init__`` imports its Hugging Face adapter, which imports a helper that
+    transformers 5 moved (``is_flash_attn_greater_or_equal_2_10``); we use only the ring functions
+    (our own attention-registry entry replaces the adapter), so the package is registered bare and
+    its ring module imported directly. Nothing of transformers is patched.
+    """
+    if "ring_flash_attn.zigzag_ring_flash_attn" not in sys.modules:
+        spec = importlib.util.find_spec("ring_flash_attn")
+        if spec is None or importlib.util.find_spec("flash_attn") is None:
+            check_backend("ring_flash_attn", 2)  # raises with the fix
+        if "ring_flash_attn" not in sys.modules:
+            package = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(
+                "ring_flash_attn", None, is_package=True))
+            package.__path__ = list(spec.submodule_search_locations)
+            sys.modules["ring_flash_attn"] = package
+    return importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn").zigzag_ring_flash_attn_func
+
+
+def ring_flash_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """ring-flash-attn's zigzag ring on flash-attn kernels (GPU). [b, h, s_local, d] -> same.
+
+    Same zigzag shards as :func:`zigzag_ring_attention`; flash-attn's layout is [b, s, h, d] and it
+    takes grouped K/V heads as they are. Unpacked sequences only (checked at start-up).
+    """
+    out = _ring_flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0,
+                                  softmax_scale=q.shape[-1] ** -0.5 if scale is None else scale, causal=True,
+                                  group=_SP.group)
+    return out.transpose(1, 2)
+
+
 def _spans(doc_row: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) of each run of equal document ids (documents are contiguous in position order)."""
     change = (torch.nonzero(doc_row[1:] != doc_row[:-1]).flatten() + 1).tolist()
@@ -386,6 +435,7 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if _SP.size == 1:  # packed documents on one rank
         out = per_document_attention(query, key, value, scaling, _SP.doc_ids)
     else:
-        attend = ulysses_attention if _SP.backend == "ulysses" else zigzag_ring_attention
+        attend = {"ulysses": ulysses_attention, "ring_flash_attn": ring_flash_attention}.get(
+            _SP.backend, zigzag_ring_attention)
         out = attend(query, key, value, scaling, _SP.doc_ids)
     return out.transpose(1, 2).contiguous(), None

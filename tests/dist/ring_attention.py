@@ -6,6 +6,7 @@ Writes the max relative error of the output and of dQ/dK/dV per (backend, dtype,
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -19,17 +20,23 @@ def rel(a, b):
 def main(out_path: str) -> None:
     from longsft.train import distributed, sequence_parallel as sp
 
-    d = distributed.init(int(__import__("os").environ["WORLD_SIZE"]))
+    d = distributed.init(int(os.environ["WORLD_SIZE"]))
     n = d.world_size
     results = []
     cases = [(torch.float32, 8 * n, 4, 4, None), (torch.float32, 24 * n, 4, 2, None), (torch.float32, 2 * n, 2, 1, None),
-             (torch.bfloat16, 32 * n, 4, 2, None),
+             (torch.bfloat16, 32 * n, 4, 2, None), (torch.bfloat16, 8 * n, 4, 4, None),
              # packed documents of uneven lengths, boundaries anywhere relative to the zigzag chunks
              (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3])]
-    for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in ("torch", "ulysses") for c in cases]:
-        if backend == "ulysses" and heads % n:
-            continue
-        attend = sp.zigzag_ring_attention if backend == "torch" else sp.ulysses_attention
+    backends = ["torch", "ulysses"]
+    if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN"):  # tests/flash_attn_cpu on PYTHONPATH
+        backends.append("ring_flash_attn")
+        sp.setup(d.sp_group, list(range(n)), d.rank, "ring_flash_attn")
+    attention = {"torch": sp.zigzag_ring_attention, "ulysses": sp.ulysses_attention,
+                 "ring_flash_attn": sp.ring_flash_attention}
+    for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in backends for c in cases]:
+        if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and (docs or dtype != torch.bfloat16)):
+            continue  # ring_flash_attn: flash-attn's dtypes, unpacked sequences
+        attend = attention[backend]
         g = torch.Generator().manual_seed(seq * 31 + heads)
         q = torch.randn(1, heads, seq, 16, generator=g)
         k = torch.randn(1, kv_heads, seq, 16, generator=g)
