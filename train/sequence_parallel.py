@@ -18,8 +18,8 @@ image have; this version is right in fp32 and bf16 (tests/test_sequence_parallel
 Backend ``ring_flash_attn`` (:func:`ring_flash_attention`): ring-flash-attn's own zigzag ring on
 flash-attn's kernels, the usual GPU path, for users who have flash-attn. Its forward and backward
 are ring-flash-attn's; flash-attn takes bf16/fp16 only, and the fp32 backward seen wrong is
-refused with it (``model.dtype=fp32`` is a config error for this backend). Packed documents (its
-llama3 varlen ring) are not built: refused at start-up.
+refused with it (``model.dtype=fp32`` is a config error for this backend). Packed documents use its
+llama3 varlen function on contiguous shards (K/V all-gathered, documents as cu_seqlens).
 
 Backend ``ulysses`` (:func:`ulysses_attention`): DeepSpeed-Ulysses' scheme — all-to-all from
 sequence shards to head shards, local causal SDPA over the whole sequence, all-to-all back — on
@@ -68,6 +68,7 @@ class _State:
     ranks: tuple[int, ...] = ()
     active: bool = False
     doc_ids: torch.Tensor | None = None  # [batch, s_local] when documents are packed
+    varlen: tuple = (None, None)  # (doc_ids, per-row llama3 cu_seqlens plans) of the current batch
 
 
 _SP = _State()
@@ -81,9 +82,6 @@ def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
     if sp_size == 1 or backend == "torch":
         return
     if backend == "ring_flash_attn":
-        if packing:
-            raise ConfigError("data.packing with parallel.sp_backend=ring_flash_attn (its llama3 varlen ring) is not "
-                              "built yet; use parallel.sp_backend=torch or ulysses for packed documents")
         for package, pip in (("flash_attn", "flash-attn"), ("ring_flash_attn", "ring-flash-attn")):
             if importlib.util.find_spec(package) is None:
                 raise ConfigError(f"parallel.sp_backend=ring_flash_attn needs the {pip} package (GPUs): pip install "
@@ -132,8 +130,10 @@ def zigzag_index(seq_len: int, sp_size: int, sp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
-def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad ``[batch, seq]`` tensors to a multiple of 2*sp and keep this rank's zigzag part.
+def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_id: int,
+                layout: str = "zigzag") -> dict[str, torch.Tensor]:
+    """Pad ``[batch, seq]`` tensors to a multiple of 2*sp and keep this rank's zigzag part (or, with
+    ``layout="contiguous"``, its contiguous slice).
 
     Labels were shifted before this split (each position carries its own next-token target) and
     position_ids were built on the whole sequence, so RoPE and the loss need no communication.
@@ -146,7 +146,8 @@ def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_
     target = -(-n // (2 * sp_size)) * (2 * sp_size)
     fill = {"input_ids": pad_id, "shift_labels": -100, "attention_mask": 0, "doc_ids": -1}
     out = {}
-    idx = zigzag_index(target, sp_size, sp_rank)
+    c = target // sp_size
+    idx = zigzag_index(target, sp_size, sp_rank) if layout == "zigzag" else torch.arange(sp_rank * c, (sp_rank + 1) * c)
     for key, t in batch.items():
         if target > n:
             if key == "position_ids":
@@ -306,15 +307,16 @@ def zigzag_ring_attention(q, k, v, scale: float | None = None, doc_ids: torch.Te
     return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs)
 
 
-def _ring_flash_attn_func():
-    """ring-flash-attn's ``zigzag_ring_flash_attn_func``, imported without the package's ``__init__``.
+def _ring_flash_attn_func(name: str = "zigzag_ring_flash_attn"):
+    """A module of ring-flash-attn (``zigzag_ring_flash_attn`` or ``llama3_flash_attn_varlen``),
+    imported without the package's ``__init__``.
 
     ring-flash-attn 0.1.8's ``__init__`` imports its Hugging Face adapter, which imports a helper that
     transformers 5 moved (``is_flash_attn_greater_or_equal_2_10``); we use only the ring functions
     (our own attention-registry entry replaces the adapter), so the package is registered bare and
-    its ring module imported directly. Nothing of transformers is patched.
+    its ring modules imported directly. Nothing of transformers is patched.
     """
-    if "ring_flash_attn.zigzag_ring_flash_attn" not in sys.modules:
+    if f"ring_flash_attn.{name}" not in sys.modules:
         spec = importlib.util.find_spec("ring_flash_attn")
         if spec is None or importlib.util.find_spec("flash_attn") is None:
             check_backend("ring_flash_attn", 2)  # raises with the fix
@@ -323,19 +325,53 @@ def _ring_flash_attn_func():
                 "ring_flash_attn", None, is_package=True))
             package.__path__ = list(spec.submodule_search_locations)
             sys.modules["ring_flash_attn"] = package
-    return importlib.import_module("ring_flash_attn.zigzag_ring_flash_attn").zigzag_ring_flash_attn_func
+    return importlib.import_module(f"ring_flash_attn.{name}")
 
 
 def ring_flash_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """ring-flash-attn's zigzag ring on flash-attn kernels (GPU). [b, h, s_local, d] -> same.
+    """ring-flash-attn on flash-attn kernels (GPU). [b, h, s_local, d] -> same.
 
-    Same zigzag shards as :func:`zigzag_ring_attention`; flash-attn's layout is [b, s, h, d] and it
-    takes grouped K/V heads as they are. Unpacked sequences only (checked at start-up).
+    Unpacked: its zigzag ring on the zigzag shards of :func:`shard_batch`. Packed (``doc_ids``
+    [b, s_local]): its llama3 varlen function on contiguous shards (see :func:`layout`): K/V are
+    all-gathered and each document attends causally within itself. flash-attn's layout is
+    [b, s, h, d] ([tokens, h, d] for varlen); grouped K/V heads are passed as they are.
     """
-    out = _ring_flash_attn_func()(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0,
-                                  softmax_scale=q.shape[-1] ** -0.5 if scale is None else scale, causal=True,
-                                  group=_SP.group)
-    return out.transpose(1, 2)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if doc_ids is None:
+        ring = _ring_flash_attn_func().zigzag_ring_flash_attn_func
+        return ring(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale,
+                    causal=True, group=_SP.group).transpose(1, 2)
+    llama3 = _ring_flash_attn_func("llama3_flash_attn_varlen")
+    rows = []
+    for b, (cu_q, cu_k, max_q, max_k, k_slice) in enumerate(_varlen_plans(doc_ids, llama3)):
+        out = llama3.llama3_flash_attn_varlen_func(
+            q[b].transpose(0, 1), k[b].transpose(0, 1).contiguous(), v[b].transpose(0, 1).contiguous(), cu_q, cu_k,
+            max_q, max_k, heads_k_stride=k.shape[1], local_k_slice=k_slice, softmax_scale=scale, causal=True,
+            group=_SP.group)
+        rows.append(out.transpose(0, 1))  # [s_local, h, d] -> [h, s_local, d]
+    return torch.stack(rows)
+
+
+def _varlen_plans(doc_ids: torch.Tensor, llama3) -> list[tuple]:
+    """Per row: this rank's cu_seqlens for q and k, max lengths and the K slice (cached per batch)."""
+    if _SP.varlen[0] is doc_ids:
+        return _SP.varlen[1]
+    parts = [torch.empty_like(doc_ids) for _ in range(_SP.size)]
+    dist.all_gather(parts, doc_ids.contiguous(), group=_SP.group)
+    full = torch.cat(parts, dim=1)  # contiguous shards: rank order is position order
+    plans = []
+    for row in full:
+        bounds = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.numel()]
+        cu = torch.tensor(bounds, dtype=torch.int32, device=doc_ids.device)
+        plans.append(llama3.llama3_flash_attn_prepare_cu_seqlens(cu, True, _SP.rank, _SP.size))
+    _SP.varlen = (doc_ids, plans)
+    return plans
+
+
+def layout(packed: bool) -> str:
+    """How :func:`shard_batch` splits sequences for the active backend: ``zigzag`` or ``contiguous``
+    (ring-flash-attn's llama3 varlen ring for packed documents wants each rank's slice in order)."""
+    return "contiguous" if packed and _SP.backend == "ring_flash_attn" and _SP.size > 1 else "zigzag"
 
 
 def _spans(doc_row: torch.Tensor) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> 
     tokens = int(batch["attention_mask"].sum())
     if not packing:
         batch.pop("doc_ids")
-    batch = sequence_parallel.shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id)
+    batch = sequence_parallel.shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id, sequence_parallel.layout(packing))
     return {k: v.to(d.device) for k, v in batch.items()}, tokens
 
 

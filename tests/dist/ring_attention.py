@@ -26,7 +26,8 @@ def main(out_path: str) -> None:
     cases = [(torch.float32, 8 * n, 4, 4, None), (torch.float32, 24 * n, 4, 2, None), (torch.float32, 2 * n, 2, 1, None),
              (torch.bfloat16, 32 * n, 4, 2, None), (torch.bfloat16, 8 * n, 4, 4, None),
              # packed documents of uneven lengths, boundaries anywhere relative to the zigzag chunks
-             (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3])]
+             (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3]),
+             (torch.bfloat16, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17])]
     backends = ["torch", "ulysses"]
     if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN"):  # tests/flash_attn_cpu on PYTHONPATH
         backends.append("ring_flash_attn")
@@ -34,8 +35,8 @@ def main(out_path: str) -> None:
     attention = {"torch": sp.zigzag_ring_attention, "ulysses": sp.ulysses_attention,
                  "ring_flash_attn": sp.ring_flash_attention}
     for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in backends for c in cases]:
-        if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and (docs or dtype != torch.bfloat16)):
-            continue  # ring_flash_attn: flash-attn's dtypes, unpacked sequences
+        if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and dtype != torch.bfloat16):
+            continue  # ring_flash_attn: flash-attn's dtypes
         attend = attention[backend]
         g = torch.Generator().manual_seed(seq * 31 + heads)
         q = torch.randn(1, heads, seq, 16, generator=g)
@@ -52,7 +53,9 @@ def main(out_path: str) -> None:
         ref = F.scaled_dot_product_attention(qr, kr.repeat_interleave(rep, 1), vr.repeat_interleave(rep, 1),
                                              attn_mask=allowed)
         ref.backward(dout)
-        idx = sp.zigzag_index(seq, n, d.sp_rank)
+        contiguous = backend == "ring_flash_attn" and docs  # its llama3 varlen ring: rank slices in order
+        idx = torch.arange(d.sp_rank * seq // n, (d.sp_rank + 1) * seq // n) if contiguous else \
+            sp.zigzag_index(seq, n, d.sp_rank)
         ql, kl, vl = (t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v))
         local_docs = doc_ids[:, idx] if docs else None
         with sp.active(doc_ids=local_docs):
