@@ -78,7 +78,8 @@ def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
     """Fail at start-up, with the fix, for a backend that cannot run here."""
     if packing and sp_size > 1 and backend == "torch" and torch.cuda.is_available():
         raise ConfigError("data.packing with the torch ring on GPUs needs per-block document masks, which "
-                          "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or data.packing=false")
+                          "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or ring_flash_attn, or "
+                          "data.packing=false")
     if sp_size == 1 or backend == "torch":
         return
     if backend == "ring_flash_attn":
