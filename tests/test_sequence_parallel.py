@@ -55,9 +55,7 @@ def test_unavailable_backend_fails_at_startup():
         validate(cfg)  # flash-attn cannot be installed without CUDA
     with pytest.raises(ConfigError, match="flash-attn kernels, which take bf16"):
         validate(load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn"]))  # tiny: fp32
-    with pytest.raises(ConfigError, match="data.packing with parallel.sp_backend=ring_flash_attn"):
-        validate(load_config("tiny", ["parallel.sp_size=2", "parallel.sp_backend=ring_flash_attn", "data.packing=true",
-                                      "model.dtype=bf16"]))
+
 
 
 def test_ulysses_head_count_is_checked():
