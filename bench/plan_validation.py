@@ -1,6 +1,6 @@
 """The memory planner against measured peaks on CPU: tiny and ~100M-parameter Qwen3 models.
 
-    python bench/plan_validation.py [--lengths 1024 2048 4096 8192] [--models tiny m100]
+    python bench/plan_validation.py [--lengths 1024 4096 8192 16384] [--models tiny m100]
 
 One fresh process per (model, settings, length) runs the real training step (DeepSpeed ZeRO-3 on
 one rank, gloo, DeepSpeed's CPU Adam; chunked loss, checkpointing) for three optimizer steps on one
@@ -29,6 +29,7 @@ MODELS = {"tiny": [], "m100": M100}
 SETTINGS = {  # name -> overrides on the tiny recipe
     "zero3": ["deepspeed.config=zero3"],
     "zero3_offload": ["deepspeed.config=zero3_offload"],
+    "zero3_offload_tiled": ["deepspeed.config=zero3_offload", "model.mlp_tile_tokens=1024"],
 }
 COMMON = ["parallel.sp_size=1", "optim.grad_accum=1", "deepspeed.torch_adam=false", "model.loss_chunk_tokens=1024"]
 ANSWER = 64
@@ -83,7 +84,7 @@ def predict(overrides: list[str], seq: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
     ap.add_argument("--out", default=None, help="results file (default bench/results/plan_validation.json)")

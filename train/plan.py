@@ -368,6 +368,8 @@ def advice(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targe
               {"model.offload_activations": True}]
     if not cfg.model.loss_chunk_tokens or cfg.model.loss_chunk_tokens > 1024:
         tries.append({"model.loss_chunk_tokens": 1024})
+    if not cfg.model.mlp_tile_tokens:
+        tries.append({"model.mlp_tile_tokens": 4096})
     tries.append({"deepspeed.offload_optimizer": True, "deepspeed.offload_param": True,
                   "model.offload_activations": True})
     now = estimate(cfg, stage, shape, hw, targets).total
