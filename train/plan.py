@@ -2,26 +2,25 @@
 
     longsft plan recipe=qwen3_32b [key=value ...] [--gpus-per-node 8] [--nodes 1] [--gpu-gib 80]
 
-The prediction is a sum of named terms (bytes per GPU), each from the recipe and the model shape:
+The peak is the resident state plus the largest of three working sets (bytes per GPU):
 
-- ``params``     ZeRO-3 partition of the bf16/fp32 weights (0 with ``offload_param``), plus the
-                 small persistent parameters every rank keeps whole (norms, biases);
-- ``gathered``   weights gathered for compute: the largest module plus the prefetch bucket;
-- ``grads``      gradient partition (0 with ``offload_optimizer``) plus the reduce bucket and the
-                 largest module's full gradient before it is reduce-scattered;
-- ``optimizer``  fp32 master weights and Adam's two moments (0 with ``offload_optimizer``);
-- ``activations`` with checkpointing: every layer's input, one layer's recomputed saved tensors,
-                 and the gradients in flight through it; without: every layer's saved tensors;
-- ``attention``  ring attention's fp32 accumulators and K/V blocks in flight (sp > 1);
-- ``loss``       logits, their fp32 copy, log-softmax and gradient for one loss chunk (or all
-                 target rows when ``model.loss_chunk_tokens=0``);
-- ``reserve``    CUDA context, NCCL and allocator fragmentation (``--reserve-gib``).
+- resident: ``params`` (ZeRO-3 weight partition, 0 with ``offload_param``, plus the small
+  persistent parameters every rank keeps whole), ``grads`` (gradient partition and the fp32
+  gradient, 0 with ``offload_optimizer``), ``optimizer`` (fp32 master and Adam's moments, ditto);
+- the ``loss`` phase: the LM head gathered and its full gradient, the layers' kept activations,
+  one loss chunk's logits, fp32 copy, log-softmax and gradient (Liger: its own chunk);
+- the ``layers`` phase: the head kept gathered for a tied embedding, one layer's weights, the
+  decoder stack's activation peak, ring attention's accumulators and K/V blocks (sp > 1);
+- the ``embedding`` phase: the embedding gathered and its full gradient;
+- each with the reduce and prefetch buckets (``comm``), plus ``reserve`` (CUDA context, NCCL,
+  fragmentation; ``--reserve-gib``).
 
-Bytes saved for backward per token and layer are not guessed: the planner runs the real
-transformers modelling code on the meta device (no memory, no weights) with one and with two
-layers and sums the tensors autograd saves (attention through a stand-in that saves exactly what
-flash and ring kernels keep: q, k, v, out and the log-sum-exp). Parameter counts come from the same
-meta model. Host memory per node (offloaded optimizer, parameters and activations) is reported too.
+Activation memory is not a formula: the planner runs the real transformers modelling code on the
+meta device (no memory, no weights) with one and with two layers at the stage's exact token count,
+checkpointing and MLP tiling as configured, and records the peak of live tensors (attention
+through a stand-in that keeps what flash and ring kernels keep: q, k, v, out, log-sum-exp).
+Parameter counts come from the same meta model; ZeRO-3's buffers follow DeepSpeed's stage3.py.
+Host memory per node (offloaded optimizer, parameters and activations) is reported too.
 ``bench/plan_validation.py`` compares the prediction with measured peaks.
 """
 
