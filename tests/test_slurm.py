@@ -66,6 +66,17 @@ def test_submit_checks_world_size_before_anything(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_submit_plans_memory_before_booking_gpus(tmp_path):
+    """--gpu-gib: the planner runs on the allocation; a stage that would not fit is refused."""
+    args = ["submit", "--dry-run", "--nodes", "1", "--gpus-per-node", "8", "recipe=qwen3_8b",
+            f"run_dir={tmp_path / 'run'}"]
+    r = cli(*args[:-2], "--gpu-gib", "9", *args[-2:], check=False)
+    assert r.returncode == 2 and "stage s64k needs" in r.stderr and "more than --gpu-gib 9" in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
+    r = cli(*args[:-2], "--gpu-gib", "80", *args[-2:])
+    assert "planned peak per GPU: warmup_2k" in r.stdout and "s100k" in r.stdout
+
+
 def test_dry_run_writes_a_self_contained_submission(tmp_path):
     r = cli("submit", "--dry-run", "--nodes", "2", "--time", "1:00:00", "--sweep", str(SWEEP), "--root",
             str(tmp_path), "--max-parallel", "2", "recipe=tiny")

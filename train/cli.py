@@ -9,8 +9,8 @@
     longsft status RUN_DIR                        stage table; exit 0 when every stage is done, else 1
     longsft report DIR [DIR ...] [--out DIR] [--compare A B]
                                                   tables from training runs (a sweep root) or eval runs
-    longsft submit [--sweep FILE] [--nodes N] ... recipe=NAME [key=value ...]
-                                                  check, snapshot and sbatch a run or a sweep (--help)
+    longsft submit [--sweep FILE] [--nodes N] [--gpu-gib G] ... recipe=NAME [key=value ...]
+                                                  check (and plan), snapshot and sbatch a run or a sweep (--help)
     longsft sweep FILE [--root DIR] [key=value]   check every task of a sweep file, list its run dirs
     longsft eval model=PATH data=FILE [backend=hf|vllm|openai] [prompt=end|begin|cot] [repeats=3] ...
                                                   evaluate a model (resumable; see longsft.eval.harness)
@@ -288,12 +288,14 @@ def _submit(argv: list[str]) -> int:
                     help="sweep: lines are training runs or `longsft eval` runs")
     ap.add_argument("--sbatch", action="append", default=[], metavar="ARG", help="extra sbatch option (repeat)")
     ap.add_argument("--dry-run", action="store_true", help="prepare the submission folder, do not sbatch")
+    ap.add_argument("--gpu-gib", type=float, default=None,
+                    help="memory of one GPU: plan every stage first and refuse what would not fit (longsft plan)")
     args, rest = ap.parse_known_args(argv)
     res = Resources(args.nodes, args.gpus_per_node, args.nproc_per_node, args.cpus_per_task, args.time,
                     args.partition, args.account, args.job_name, args.max_parallel, args.sbatch)
     if args.command == "eval" and not args.sweep:
         raise ConfigError("--command eval is for sweeps (--sweep FILE); a single evaluation needs no cluster script")
-    sub, job = submit(rest, res, args.sweep, args.root, args.dry_run, args.command)
+    sub, job = submit(rest, res, args.sweep, args.root, args.dry_run, args.command, args.gpu_gib)
     print(f"submission: {sub}\n" + (f"job: {job}" if job else f"dry run: {sub / 'command.sh'}"))
     return 0
 

@@ -55,6 +55,20 @@ def check_world(cfg: RunConfig, res: Resources, where: str = "") -> None:
         raise ConfigError(f"{where}{e} [--nodes {res.nodes} x {res.procs} processes per node]") from None
 
 
+def check_fit(cfg: RunConfig, res: Resources, gpu_gib: float, where: str = "") -> str:
+    """Plan every stage on the allocation (``longsft plan``); refuse one that does not fit a GPU of
+    ``gpu_gib`` before any GPU is booked. Returns the per-stage peaks for the user."""
+    from .plan import GIB, Hardware, plan
+
+    hw = Hardware(gpus_per_node=res.procs, nodes=res.nodes, gpu_gib=gpu_gib)
+    _, rows = plan(cfg, hw)
+    for e in rows:
+        if not e.fits:
+            raise ConfigError(f"{where}stage {e.stage} needs {e.total / GIB:.1f} GiB per GPU (planned), more than "
+                              f"--gpu-gib {gpu_gib:g}; `longsft plan` with the same arguments lists what would fit")
+    return f"{where}planned peak per GPU: " + ", ".join(f"{e.stage} {e.total / GIB:.1f} GiB" for e in rows)
+
+
 def snapshot_code(dest: Path) -> None:
     """Copy the installed package (``longsft.*``) and launch scripts to ``dest/longsft``."""
     pkg = dest / "longsft"
@@ -94,14 +108,20 @@ def sbatch_command(script: Path, args: list[str], res: Resources, sub: Path, arr
 
 
 def submit(args: list[str], res: Resources, sweep: str | None = None, root: str | None = None,
-           dry_run: bool = False, command: str = "train") -> tuple[Path, str | None]:
-    """Check, snapshot and submit; returns (submission folder, job id or None for a dry run)."""
+           dry_run: bool = False, command: str = "train", gpu_gib: float | None = None,
+           say=print) -> tuple[Path, str | None]:
+    """Check, snapshot and submit; returns (submission folder, job id or None for a dry run).
+
+    With ``gpu_gib`` every training config is planned first and one that does not fit is refused.
+    """
     from .cli import parse_run_args
     from .sweep import check_sweep, task_args
 
     if sweep is None:
         cfg = parse_run_args(args)
         check_world(cfg, res)
+        if gpu_gib:
+            say(check_fit(cfg, res, gpu_gib))
         configs = {"config.yaml": cfg}
         base, script, job_args, array = cfg.run_path, "curriculum.sbatch", list(args), None
     else:
@@ -109,7 +129,10 @@ def submit(args: list[str], res: Resources, sweep: str | None = None, root: str 
         tasks = check_sweep(sweep, root, args, command)
         if command == "train":
             for task, cfg in tasks:
-                check_world(cfg, res, f"{sweep}:{task.line} (task {task.name}): ")
+                where = f"{sweep}:{task.line} (task {task.name}): "
+                check_world(cfg, res, where)
+                if gpu_gib:
+                    say(check_fit(cfg, res, gpu_gib, where))
         configs = {f"configs/{t.name}.yaml": c for t, c in tasks}
         base, script, array = Path(root), "array.sbatch", len(tasks)
         job_args = [str(Path(sweep).resolve()), str(Path(root).resolve()), *args]
