@@ -14,7 +14,6 @@ path, and the peak memory of the loss forward+backward. Writes bench/results/gpu
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+import onestep  # noqa: E402
 
 SHAPE = ["model.config.hidden_size=1024", "model.config.intermediate_size=3072", "model.config.num_hidden_layers=4",
          "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", "model.config.head_dim=128",
@@ -30,13 +30,10 @@ SHAPE = ["model.config.hidden_size=1024", "model.config.intermediate_size=3072",
 
 
 def run(zero3: bool, kernel: str, chunk: int, dtype: str, seq: int, device: str) -> dict:
-    from transformers.integrations import HfDeepSpeedConfig
-
     from longsft.train.config import load_config
     from longsft.train.data import IGNORE
-    from longsft.train.engine import build_ds_config, build_engine
     from longsft.train.loss import token_loss_sum
-    from longsft.train.model import build_hf_config, build_model
+    from longsft.train.model import build_model
 
     cfg = load_config("tiny", [*SHAPE, f"model.dtype={dtype}", f"stages.0.seq_len={seq}"])
     g = torch.Generator().manual_seed(0)
@@ -47,9 +44,7 @@ def run(zero3: bool, kernel: str, chunk: int, dtype: str, seq: int, device: str)
              "shift_labels": torch.cat([labels[:, 1:], torch.full((1, 1), IGNORE)], 1)}
     batch = {k: v.to(device) for k, v in batch.items()}
     if zero3:
-        ds = build_ds_config(cfg, cfg.stages[0], 1, build_hf_config(cfg.model).hidden_size)
-        keep = HfDeepSpeedConfig(ds)  # noqa: F841
-        model = build_engine(cfg, build_model(cfg.model), ds, total_steps=1)
+        model = onestep.zero3_engine(cfg, total_steps=1)
         module = model.module
     else:
         model = module = build_model(cfg.model).to(device)
@@ -77,10 +72,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(onestep.rendezvous_env())
     from longsft.train import distributed
 
     distributed.init(1)

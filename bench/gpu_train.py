@@ -17,8 +17,6 @@ and the host memory that needs. Writes bench/results/gpu_train.json.
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,13 +24,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+import onestep  # noqa: E402
 
 QWEN3_1_7B = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True,
               "max_position_embeddings": 131072}
 SMOKE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True, "max_position_embeddings": 131072}
-ANSWER = 64
+ANSWER = onestep.ANSWER
 
 
 def overrides(shape: dict, seq: int, dtype: str) -> list[str]:
@@ -60,24 +59,14 @@ def matmul_peak(device: str, dtype) -> float:
 
 def worker(seq: int, out: str, args: list[str]) -> None:
     import torch
-    from transformers.integrations import HfDeepSpeedConfig
 
     from longsft.train import distributed
     from longsft.train.config import load_config
-    from longsft.train.data import IGNORE, Encoded, Sample
-    from longsft.train.engine import build_ds_config, build_engine
-    from longsft.train.loss import backward_scale, token_loss_sum
-    from longsft.train.model import build_hf_config, build_model
-    from longsft.train.trainer import make_batch
 
     cfg = load_config("tiny", args)
     d = distributed.init(1)
-    ids = torch.randint(0, 151936, (seq,), generator=torch.Generator().manual_seed(0)).tolist()
-    item = Encoded(Sample("b", "en", "a", "s", 4, "t"), ids, [IGNORE] * (seq - ANSWER) + ids[-ANSWER:], seq - ANSWER)
-    batch, _ = make_batch([item], 0, d)
-    ds = build_ds_config(cfg, cfg.stages[0], 1, build_hf_config(cfg.model).hidden_size)
-    keep = HfDeepSpeedConfig(ds)  # noqa: F841
-    engine = build_engine(cfg, build_model(cfg.model), ds, total_steps=3)
+    batch = onestep.one_sequence(cfg, seq, d)
+    engine = onestep.zero3_engine(cfg, total_steps=3)
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     result = {"seq": seq}
@@ -88,12 +77,10 @@ def worker(seq: int, out: str, args: list[str]) -> None:
                 torch.cuda.reset_peak_memory_stats()
             sync()
             t0 = time.perf_counter()
-            loss, n = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations)
-            engine.backward(loss * backward_scale(n, 1, 1))
-            engine.step()
+            loss, n = onestep.step(engine, cfg, batch)
             sync()
             times.append(time.perf_counter() - t0)
-        result.update(step_s=sum(times[1:]) / 2, loss=float(loss) / n,
+        result.update(step_s=sum(times[1:]) / 2, loss=loss / n,
                       peak_bytes=torch.cuda.max_memory_allocated() if cuda else None)
     except torch.OutOfMemoryError:
         result["oom"] = True
@@ -106,16 +93,6 @@ def model_flops(shape: dict, seq: int) -> float:
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
     per_layer = h * (2 * q + 2 * kv) + 3 * h * shape["intermediate_size"]
     return 6 * layers * per_layer * seq + 6 * layers * seq * seq * q  # causal: half of 12 * s^2 * q
-
-
-def predicted(args: list[str], seq: int) -> float:
-    from longsft.train import plan
-    from longsft.train.config import load_config
-
-    cfg = load_config("tiny", args)
-    hw = plan.Hardware(gpus_per_node=1, reserve_gib=0)
-    shape = plan.model_shape(cfg)
-    return plan.estimate(cfg, cfg.stages[0], shape, hw, targets=ANSWER).total
 
 
 def longest_8b(gpu_gib: float) -> dict:
@@ -147,16 +124,14 @@ def main() -> None:
 
     from machine import write_result
 
+    from longsft.train.config import load_config
+
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     shape, dtype = (SMOKE, "fp32") if a.smoke else (QWEN3_1_7B, "bf16")
     lengths = a.lengths or ([1024, 2048] if a.smoke else [16384, 32768, 65536, 102400])
     peak = matmul_peak(device, torch.float32 if a.smoke else torch.bfloat16)
     print(f"measured {dtype} matmul peak: {peak:.0f} TFLOP/s", flush=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
-               LOCAL_RANK="0", **({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if a.smoke else {}))
+    env = onestep.rendezvous_env(**({"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""} if a.smoke else {}))
     rows = []
     for seq in lengths:
         args = overrides(shape, seq, dtype)
@@ -168,7 +143,7 @@ def main() -> None:
             rows.append({"seq": seq, "failed": True})
             continue
         row = json.loads(out.read_text())
-        row["predicted_bytes"] = predicted(args, seq)
+        row["predicted_bytes"] = onestep.planned(load_config("tiny", args))[1].total
         if "step_s" in row:
             row["tokens_per_s"] = seq / row["step_s"]
             row["tflops"] = model_flops(shape, seq) / row["step_s"] / 1e12

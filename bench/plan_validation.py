@@ -12,8 +12,6 @@ since on CPU "device" and host are the same memory. Writes bench/results/plan_va
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+import onestep  # noqa: E402
 
 # ~100M parameters: Qwen3 layout, the real vocabulary (tied), 8 layers of width 512
 M100 = ["model.config.hidden_size=512", "model.config.intermediate_size=1536", "model.config.num_hidden_layers=8",
@@ -32,7 +31,7 @@ SETTINGS = {  # name -> overrides on the tiny recipe
     "zero3_offload_tiled": ["deepspeed.config=zero3_offload", "model.mlp_tile_tokens=1024"],
 }
 COMMON = ["parallel.sp_size=1", "optim.grad_accum=1", "deepspeed.torch_adam=false", "model.loss_chunk_tokens=1024"]
-ANSWER = 64
+ANSWER = onestep.ANSWER
 
 
 def _status_kib(key: str) -> int:
@@ -40,44 +39,27 @@ def _status_kib(key: str) -> int:
 
 
 def worker(seq: int, out: str, overrides: list[str]) -> None:
-    import torch
-    from transformers.integrations import HfDeepSpeedConfig
-
     from longsft.train import distributed
     from longsft.train.config import load_config
-    from longsft.train.data import IGNORE, Encoded, Sample
-    from longsft.train.engine import build_ds_config, build_engine
-    from longsft.train.loss import backward_scale, token_loss_sum
-    from longsft.train.model import build_hf_config, build_model
-    from longsft.train.trainer import make_batch
 
     cfg = load_config("tiny", [*overrides, f"stages.0.seq_len={seq}"])
     d = distributed.init(1)
-    ids = torch.randint(0, cfg.model.config["vocab_size"], (seq,), generator=torch.Generator().manual_seed(0)).tolist()
-    item = Encoded(Sample("b", "en", "a", "s", 4, "t"), ids, [IGNORE] * (seq - ANSWER) + ids[-ANSWER:], seq - ANSWER)
-    batch, _ = make_batch([item], 0, d)
+    batch = onestep.one_sequence(cfg, seq, d)
     open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
     before = _status_kib("VmRSS")
-    ds = build_ds_config(cfg, cfg.stages[0], 1, build_hf_config(cfg.model).hidden_size)
-    keep = HfDeepSpeedConfig(ds)  # noqa: F841
-    engine = build_engine(cfg, build_model(cfg.model), ds, total_steps=3)
+    engine = onestep.zero3_engine(cfg, total_steps=3)
     for _ in range(3):  # the peak of a step after the first (Adam's moments exist from the first on)
-        loss, n = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations)
-        engine.backward(loss * backward_scale(n, 1, 1))
-        engine.step()
+        onestep.step(engine, cfg, batch)
     peak = _status_kib("VmHWM") - before
     Path(out).write_text(json.dumps({"measured_bytes": peak * 1024}))
     distributed.shutdown()
 
 
 def predict(overrides: list[str], seq: int) -> dict:
-    from longsft.train import plan
     from longsft.train.config import load_config
 
     cfg = load_config("tiny", [*overrides, f"stages.0.seq_len={seq}"])
-    hw = plan.Hardware(gpus_per_node=1, reserve_gib=0)
-    shape = plan.model_shape(cfg)
-    est = plan.estimate(cfg, cfg.stages[0], shape, hw, targets=ANSWER)
+    shape, est = onestep.planned(cfg)
     return {"params": shape.params, "terms_bytes": est.terms, "host_bytes": est.host_per_node,
             "predicted_bytes": est.total + est.host_per_node}
 
@@ -92,12 +74,8 @@ def main() -> None:
     from machine import write_result
 
     rows = []
-    with socket.socket() as sock:  # a free port for the one-rank process group
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     # large tensors from mmap, returned on free: RSS follows live tensors instead of malloc's heap
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-               DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
+    env = onestep.rendezvous_env(DS_ACCELERATOR="cpu", MALLOC_MMAP_THRESHOLD_="65536")
     tmp = Path(tempfile.mkdtemp())
     for model in args.models:
         for setting in args.settings:

@@ -61,7 +61,7 @@ class Hardware:
 
 @dataclass
 class Shape:
-    """What the planner needs from a model: sizes (elements) and saved bytes per token (per dtype)."""
+    """What the planner needs from a model: sizes in elements (activations are traced per stage)."""
 
     name: str
     hidden: int

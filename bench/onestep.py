@@ -1,0 +1,68 @@
+"""Shared by the memory and throughput benchmarks: one sequence through longsft's own ZeRO-3 step.
+
+The engine, loss and data path are the trainer's (``build_ds_config``, ``build_engine``,
+``make_batch``, ``token_loss_sum``); only the data is synthetic: one sequence of ``seq`` random
+tokens whose last ``answer`` tokens are the targets.
+"""
+
+import os
+import socket
+
+ANSWER = 64
+
+
+def rendezvous_env(**extra: str) -> dict:
+    """Environment for a one-rank process group on a free local port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                LOCAL_RANK="0", **extra)
+
+
+def one_sequence(cfg, seq: int, d, answer: int = ANSWER) -> dict:
+    """One sequence of ``seq`` random token ids, the last ``answer`` of them targets, as a batch."""
+    import torch
+
+    from longsft.train.data import IGNORE, Encoded, Sample
+    from longsft.train.model import build_hf_config
+    from longsft.train.trainer import make_batch
+
+    vocab = build_hf_config(cfg.model).vocab_size
+    ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(0)).tolist()
+    item = Encoded(Sample("b", "en", "a", "s", 4, "t"), ids, [IGNORE] * (seq - answer) + ids[-answer:], seq - answer)
+    return make_batch([item], 0, d)[0]
+
+
+def zero3_engine(cfg, total_steps: int):
+    """The trainer's DeepSpeed engine for ``cfg`` on one rank (the HF config object kept alive with it)."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from longsft.train.engine import build_ds_config, build_engine
+    from longsft.train.model import build_hf_config, build_model
+
+    ds = build_ds_config(cfg, cfg.stages[0], 1, build_hf_config(cfg.model).hidden_size)
+    hf_ds = HfDeepSpeedConfig(ds)  # alive while the model is built: ZeRO-3 partitions as it loads
+    engine = build_engine(cfg, build_model(cfg.model), ds, total_steps)
+    engine.hf_ds_config = hf_ds
+    return engine
+
+
+def step(engine, cfg, batch) -> tuple[float, int]:
+    """One optimizer step (grad_accum 1) exactly as the trainer takes it; returns (loss sum, targets)."""
+    from longsft.train.loss import backward_scale, token_loss_sum
+
+    m = cfg.model
+    loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)
+    engine.backward(loss * backward_scale(n, 1, 1))
+    engine.step()
+    return float(loss), n
+
+
+def planned(cfg, answer: int = ANSWER):
+    """(model shape, ``longsft plan``'s estimate of ``cfg``'s first stage on one GPU without the CUDA reserve)."""
+    from longsft.train import plan
+
+    shape = plan.model_shape(cfg)
+    return shape, plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(gpus_per_node=1, reserve_gib=0),
+                                targets=answer)
