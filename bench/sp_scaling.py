@@ -33,7 +33,7 @@ def _rss_kib() -> int:
 def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     import torch
 
-    from longsft.train import distributed, sequence_parallel
+    from longsft.train import comm, distributed, sequence_parallel
     from longsft.train.config import load_config
     from longsft.train.data import IGNORE, Encoded, Sample
     from longsft.train.loss import token_loss_sum
@@ -63,7 +63,7 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
         step()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    stats = distributed.all_gather_objects({"step_s": sorted(times)[1], "peak_mib": peak / 1024})
+    stats = comm.all_gather_objects({"step_s": sorted(times)[1], "peak_mib": peak / 1024})
     if d.is_main:
         Path(out).write_text(json.dumps({"seq": seq, "sp": sp, "step_s": max(s["step_s"] for s in stats),
                                          "peak_mib": max(s["peak_mib"] for s in stats)}))

@@ -202,11 +202,9 @@ def test_stop_request_by_signal_or_file(tmp_path):
     import os
     import signal
 
-    import torch
-
     from longsft.train.preempt import STOP_FILE, StopWatch
 
-    watch = StopWatch(tmp_path, is_main=True, device=torch.device("cpu"))
+    watch = StopWatch(tmp_path, is_main=True)
     assert not watch.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
     assert watch.requested()
@@ -216,7 +214,7 @@ def test_stop_request_by_signal_or_file(tmp_path):
     assert watch.requested()
     watch.consume()
     assert not (tmp_path / STOP_FILE).exists() and not watch.requested()
-    other = StopWatch(tmp_path, is_main=False, device=torch.device("cpu"))  # only rank 0 reads the file
+    other = StopWatch(tmp_path, is_main=False)  # only rank 0 reads the file
     (tmp_path / STOP_FILE).touch()
     assert not other.requested()
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)

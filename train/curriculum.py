@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 
-from . import distributed
+from . import comm, distributed
 from .config import ConfigError, RunConfig, dump_yaml, to_dict, validate
 from .io import atomic_write_json, atomic_write_text
 from .model import build_tokenizer
@@ -142,7 +142,7 @@ def run(cfg: RunConfig) -> dict:
     if d.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(run_dir)
-    holder = distributed.broadcast_object(None if lock else _lock_holder(run_dir))
+    holder = comm.broadcast_object(None if lock else _lock_holder(run_dir))
     if holder is not None:
         raise ConfigError(f"{run_dir} is in use by another job ({holder}); wait for it or use another run_dir")
     if d.is_main:
@@ -167,7 +167,7 @@ def run(cfg: RunConfig) -> dict:
 
     from .trainer import StageTrainer  # deepspeed is imported only after the environment is set
 
-    stop = StopWatch(run_dir, d.is_main, d.device)
+    stop = StopWatch(run_dir, d.is_main)
     init_from = None
     t0 = time.time()
     for i, stage in enumerate(cfg.stages):

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import comm
 from .config import ConfigError
 
 
@@ -75,8 +76,7 @@ class Dist:
         return self.dims.sp_rank(self.rank)
 
     def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
+        comm.barrier()
 
 
 def _die_with_launcher() -> None:
@@ -139,23 +139,6 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def all_gather_objects(obj: object) -> list:
-    """Every rank's ``obj``, in rank order (a list of one without a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: object, src: int = 0) -> object:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def _free_port() -> int:

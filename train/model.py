@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import comm
 from .config import ConfigError, ModelConfig
 
 # Compact ChatML (what Qwen3 uses) for tokenizers that ship without a chat template.
@@ -127,6 +128,10 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.mlp_tile_tokens:
         tile_mlps(model, cfg.mlp_tile_tokens)
+    if cfg.loss_kernel == "liger":
+        from .loss import attach_fused_loss
+
+        attach_fused_loss(model)
     model.config.use_cache = False
     return model
 
@@ -149,11 +154,7 @@ def tile_mlps(model, tile: int) -> None:
         def forward(x: torch.Tensor, whole=whole) -> torch.Tensor:  # x [batch, seq, hidden]
             if not torch.is_grad_enabled():
                 return whole(x)
-            n = -(-x.shape[1] // tile)
-            if torch.distributed.is_initialized():
-                most = torch.tensor([n], device=x.device)
-                torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
-                n = int(most.item())
+            n = comm.max_over_ranks(-(-x.shape[1] // tile))
             return torch.cat([checkpoint(whole, x[:, i * tile:(i + 1) * tile], use_reentrant=False)
                               for i in range(max(1, n))], dim=1)
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from . import comm
 
 STOP_FILE = "STOP"
 EXIT_STOPPED = 75  # EX_TEMPFAIL: checkpointed, run the same command again to continue
@@ -25,8 +24,8 @@ class StopRequested(RuntimeError):
 class StopWatch:
     """Watches for a stop request; :meth:`requested` is collective (call it on every rank)."""
 
-    def __init__(self, run_dir: Path, is_main: bool, device: torch.device):
-        self.path, self.is_main, self.device = Path(run_dir) / STOP_FILE, is_main, device
+    def __init__(self, run_dir: Path, is_main: bool):
+        self.path, self.is_main = Path(run_dir) / STOP_FILE, is_main
         self._signalled = False
         try:
             signal.signal(signal.SIGUSR1, self._on_signal)
@@ -38,11 +37,7 @@ class StopWatch:
 
     def requested(self) -> bool:
         local = self._signalled or (self.is_main and self.path.exists())
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return local
-        flag = torch.tensor([int(local)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return bool(comm.max_over_ranks(int(local)))
 
     def consume(self) -> None:
         """Forget the request once acted on (the file too), so that the resumed run trains on."""

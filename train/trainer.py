@@ -8,9 +8,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from . import checkpoint, sequence_parallel
+from . import checkpoint, comm, sequence_parallel
 from .config import ConfigError, RunConfig, StageConfig
 from .data import Row, StepSampler, collate, encode_all, load_samples, pack
 from .distributed import Dist
@@ -195,7 +194,7 @@ class StageTrainer:
         global_idx = self.sampler.global_indices(step)
         n_global = sum(self._n_targets(i) for i in global_idx)
         scale = backward_scale(n_global, self.engine.dp_world_size, self.cfg.optim.grad_accum)
-        loss_sum, tokens = torch.zeros((), dtype=torch.float64), 0
+        loss_sum, tokens = 0.0, 0
         for idx in micro:
             batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d, self.cfg.data.packing)
             with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
@@ -203,17 +202,15 @@ class StageTrainer:
                                          self.cfg.model.offload_activations, self.cfg.model.loss_kernel)
                 self.engine.backward(loss * scale)
             self.engine.step()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += float(loss.detach())
             tokens += n_tokens
         # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
-        stats = torch.tensor([loss_sum.item(), tokens if self.d.sp_rank == 0 else 0], dtype=torch.float64)
-        if dist.is_initialized():
-            dist.all_reduce(stats)
+        loss_total, tokens_total = comm.all_reduce([loss_sum, tokens if self.d.sp_rank == 0 else 0])
         dt = time.time() - t0
         grad_norm = self.engine.get_global_grad_norm()
-        return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": stats[0].item() / n_global,
+        return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": loss_total / n_global,
                 "lr": self.engine.get_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": int(stats[1].item()), "tokens_per_s": stats[1].item() / dt, "step_time_s": dt,
+                "tokens": int(tokens_total), "tokens_per_s": tokens_total / dt, "step_time_s": dt,
                 "memory_gb": peak_memory_gb()}
 
     def _n_targets(self, i: int) -> int:

@@ -12,12 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from longsft.eval.metrics import Item, score_items
 
 from .data import Encoded, collate
-from .distributed import Dist, all_gather_objects
+from .comm import all_gather_objects, all_reduce
+from .distributed import Dist
 from .loss import token_loss_sum
 
 
@@ -58,16 +58,15 @@ def generate_judgements(engine, tokenizer, items: list[Encoded], d: Dist, max_ne
 def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int, chunk_tokens: int = 0) -> float:
     """Teacher-forced token-mean loss over ``items`` (all ranks together)."""
     engine.module.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    loss_sum, n_sum = 0.0, 0
     for i, real in _shard(items, d):
         batch = {k: v.to(d.device) for k, v in collate([items[i]], pad_id).items()}
         loss, n = token_loss_sum(engine, batch, chunk_tokens)
         if real:
-            total += torch.tensor([loss.item(), n], dtype=torch.float64)
+            loss_sum, n_sum = loss_sum + loss.item(), n_sum + n
     engine.module.train()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return (total[0] / total[1]).item() if total[1] > 0 else float("nan")
+    loss_sum, n_sum = all_reduce([loss_sum, n_sum])
+    return loss_sum / n_sum if n_sum > 0 else float("nan")
 
 
 def run_validation(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int, policy: str,

@@ -18,7 +18,7 @@ def rel(a, b):
 
 
 def main(out_path: str) -> None:
-    from longsft.train import distributed, sequence_parallel as sp
+    from longsft.train import comm, distributed, sequence_parallel as sp
 
     d = distributed.init(int(os.environ["WORLD_SIZE"]))
     n = d.world_size
@@ -63,7 +63,7 @@ def main(out_path: str) -> None:
         out.backward(dout[:, :, idx].to(dtype))
         errs = {"out": rel(out, ref[:, :, idx].detach()), "dq": rel(ql.grad, qr.grad[:, :, idx]),
                 "dk": rel(kl.grad, kr.grad[:, :, idx]), "dv": rel(vl.grad, vr.grad[:, :, idx])}
-        worst = distributed.all_gather_objects(errs)
+        worst = comm.all_gather_objects(errs)
         results.append({"backend": backend, "packed": bool(docs), "dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
                         **{k: max(w[k] for w in worst) for k in errs}})
     if d.is_main:
