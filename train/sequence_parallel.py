@@ -40,11 +40,12 @@ import contextlib
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from . import comm
 from .config import ConfigError
 
 ATTN_NAME = "longsft_sp"
@@ -174,7 +175,97 @@ def _block_mask(doc_q, doc_k, causal: bool, dtype):
     return mask[:, None], ~allowed.any(-1)
 
 
-def _block_fwd(q, k, v, causal: bool, scale: float, docs=None):
+@dataclass(frozen=True)
+class BlockKernel:
+    """A fused attention kernel that also returns the log-sum-exp: one ring block's forward and backward.
+
+    ``fwd(q, k, v, causal, scale) -> (out [b, h, sq, d], lse [b, h, sq] fp32)``;
+    ``bwd(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``, given the row's *final* out and lse.
+    q [b, h, sq, d]; k, v [b, hk, sk, d]. ``gqa``: the kernel takes hk < h K/V heads itself (dk, dv come
+    back per K/V head); otherwise the ring repeats K/V heads up to h and folds their gradients back.
+    Each CUDA call is checked against the kernel's own argument rules in ``tests/cuda_contract.py``.
+    """
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+    gqa: bool
+
+
+def _cpu_fwd(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _cpu_bwd(dout, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                               scale=scale)
+
+
+def _flash_fwd(q, k, v, causal, scale):
+    # flash_api.cpp mha_fwd: fp16/bf16 only, h % hk == 0, head dim <= 256; lse [b, h, sq] fp32, unpadded
+    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return r[0], r[1]
+
+
+def _flash_bwd(dout, q, k, v, out, lse, causal, scale):
+    # cum_seq_q/k must be undefined (None): _flash_attention_backward takes the varlen kernel for any
+    # *defined* tensor, an empty one included, and fails there. The philox state (uint64, as the forward
+    # returns it) is read only with dropout.
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
+
+
+LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp rows to this (kernel_forward.h kAlignLSE)
+
+
+def _efficient_fwd(q, k, v, causal, scale):
+    # memory-efficient kernel (fp32 as well as fp16/bf16; equal head counts); its lse is [b, h, ceil32(sq)]
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                            scale=scale)
+    return out, lse[..., : q.shape[2]]
+
+
+def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
+    # the backward reads the lse in the forward's padded layout (row stride a multiple of 8)
+    n = q.shape[2]
+    padded = lse.new_full((*lse.shape[:2], -(-n // LSE_ALIGN) * LSE_ALIGN), float("inf"))
+    padded[..., :n] = lse
+    seed = torch.empty((), dtype=torch.int64)  # as the forward returns it without dropout; read only with dropout
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
+    return dq, dk, dv
+
+
+CPU_KERNEL = BlockKernel("cpu_flash", _cpu_fwd, _cpu_bwd, gqa=True)
+FLASH_KERNEL = BlockKernel("cuda_flash", _flash_fwd, _flash_bwd, gqa=True)
+EFFICIENT_KERNEL = BlockKernel("cuda_efficient", _efficient_fwd, _efficient_bwd, gqa=False)
+
+
+def block_kernel(device_type: str, dtype: torch.dtype) -> BlockKernel:
+    """The fused kernel the ring uses for tensors of ``dtype`` on ``device_type``.
+
+    CUDA: flash for fp16/bf16 (its only dtypes), the memory-efficient kernel for fp32.
+    """
+    if device_type == "cuda":
+        return FLASH_KERNEL if dtype in (torch.float16, torch.bfloat16) else EFFICIENT_KERNEL
+    if device_type == "cpu":
+        return CPU_KERNEL
+    raise ValueError(f"ring attention has no kernel for {device_type} tensors")
+
+
+def _block_mask(doc_q, doc_k, causal: bool, dtype):
+    """Additive mask [b, 1, sq, sk] allowing same-document (and, if causal, earlier) keys, and the
+    rows [b, sq] that may see no key of this block."""
+    allowed = doc_q[:, :, None] == doc_k[:, None, :]
+    if causal:
+        allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    return mask[:, None], ~allowed.any(-1)
+
+
+def _block_fwd(kernel: BlockKernel, q, k, v, causal: bool, scale: float, docs=None):
     """One block: out [b, h, s, d], lse [b, h, s] (fp32). ``docs`` = (doc ids of q rows, of k)."""
     if docs is not None:  # packed documents: an explicit mask (CPU kernel only, checked at start-up)
         mask, empty = _block_mask(docs[0], docs[1], causal, q.dtype)
@@ -182,26 +273,16 @@ def _block_fwd(q, k, v, causal: bool, scale: float, docs=None):
                                                                               scale=scale)
         # the kernel reports lse 0 for a row with no visible key; it must weigh nothing in the merge
         return out.masked_fill(empty[:, None, :, None], 0), lse.masked_fill(empty[:, None], float("-inf"))
-    if q.is_cuda:
-        r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-        return r[0], r[1]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse
+    return kernel.fwd(q, k, v, causal, scale)
 
 
-def _block_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, docs=None):
+def _block_bwd(kernel: BlockKernel, dout, q, k, v, out, lse, causal: bool, scale: float, docs=None):
     """Gradients of one block given the *final* ``out`` and ``lse`` of the full attention row."""
     if docs is not None:
         mask, _ = _block_mask(docs[0], docs[1], causal, q.dtype)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
-    if q.is_cuda:
-        empty = torch.empty(0, device=q.device, dtype=torch.int32)
-        seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, seed, seed, scale=scale)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+    return kernel.bwd(dout, q, k, v, out, lse, causal, scale)
 
 
 def _merge(out, lse, blk_out, blk_lse):
@@ -213,15 +294,10 @@ def _merge(out, lse, blk_out, blk_lse):
 
 
 def _ring_pass(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Send to the next SP rank, receive from the previous one."""
-    nxt = _SP.ranks[(_SP.rank + 1) % _SP.size]
-    prv = _SP.ranks[(_SP.rank - 1) % _SP.size]
-    recv = [torch.empty_like(t) for t in tensors]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, _SP.group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, prv, _SP.group) for r in recv]
-    for w in dist.batch_isend_irecv(ops):
-        w.wait()
-    return recv
+    """Send to the next SP rank, receive from the previous one (a group of one keeps its own)."""
+    if _SP.size == 1:
+        return tensors
+    return comm.ring_shift(tensors, _SP.ranks, _SP.rank, _SP.group)
 
 
 def _pass_kv(k, v, docs):
@@ -237,7 +313,7 @@ def _plan(step: int, c: int, groups: int, kc, vc, docs, dc):
     Returns (query rows, key columns, causal, K, V, block doc ids): own chunks are causal over
     [r ; 2sp-1-r] (already in position order); an earlier rank's chunk ``src`` is seen by every
     local query but its late twin by none; a later rank's two chunks are seen only by our late
-    chunk. GQA heads are repeated here and folded back in the backward.
+    chunk. ``groups`` > 1: GQA heads are repeated here and folded back in the backward.
     """
     src = (_SP.rank - step) % _SP.size
     if step == 0:
@@ -254,37 +330,37 @@ def _plan(step: int, c: int, groups: int, kc, vc, docs, dc):
 
 class _ZigzagRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, docs):
+    def forward(ctx, q, k, v, scale, docs, kernel):
         # q [b, h, s, d]; k, v [b, hk, s, d]; s = 2c (two zigzag chunks); docs [b, s] or None
-        groups = q.shape[1] // k.shape[1]
+        groups = 1 if kernel.gqa and docs is None else q.shape[1] // k.shape[1]  # masked blocks: repeated
         c = q.shape[2] // 2
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kc, vc, dc = k, v, docs
         for step in range(_SP.size):
             qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
-            blk_out, blk_lse = _block_fwd(q[:, :, qs], kk, vv, causal, scale, blk_docs)
+            blk_out, blk_lse = _block_fwd(kernel, q[:, :, qs].contiguous(), kk, vv, causal, scale, blk_docs)
             out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
             if step < _SP.size - 1:
                 kc, vc, dc = _pass_kv(kc, vc, dc)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.scale = scale
+        ctx.scale, ctx.kernel, ctx.groups = scale, kernel, groups
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, docs = ctx.saved_tensors
-        scale, groups, c = ctx.scale, q.shape[1] // k.shape[1], q.shape[2] // 2
-        dout = dout.contiguous()
+        scale, kernel, groups, c = ctx.scale, ctx.kernel, ctx.groups, q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk_acc = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv_acc = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
         kc, vc, dc = k, v, docs
         for step in range(_SP.size):
             qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
-            dq_b, dk_b, dv_b = _block_bwd(dout[:, :, qs], q[:, :, qs].contiguous(), kk, vv, out[:, :, qs].contiguous(),
-                                          lse[:, :, qs].contiguous(), causal, scale, blk_docs)
+            dq_b, dk_b, dv_b = _block_bwd(kernel, dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kk, vv,
+                                          out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale,
+                                          blk_docs)
             dq[:, :, qs] += dq_b.float()
             if groups > 1:  # fold the repeated heads back onto their KV head
                 dk_b = dk_b.unflatten(1, (-1, groups)).sum(2)
@@ -294,18 +370,21 @@ class _ZigzagRing(torch.autograd.Function):
             if step < _SP.size - 1:
                 kc, vc, dc = _pass_kv(kc, vc, dc)
             dk_acc, dv_acc = _ring_pass([dk_acc, dv_acc])  # after the last pass they are home
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None
 
 
-def zigzag_ring_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def zigzag_ring_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None,
+                          kernel: BlockKernel | None = None) -> torch.Tensor:
     """Causal attention of zigzag-sharded q/k/v across the SP group. [b, h, s_local, d] -> same.
 
     ``doc_ids`` [b, s_local]: packed documents; a token only sees earlier tokens of its document.
+    ``kernel``: the block kernel (default: :func:`block_kernel` for q's device and dtype).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    kernel = kernel or block_kernel(q.device.type, q.dtype)
     docs = None if doc_ids is None else doc_ids.contiguous()
-    return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs)
+    return _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs, kernel)
 
 
 def _ring_flash_attn_func(name: str = "zigzag_ring_flash_attn"):
@@ -357,9 +436,7 @@ def _varlen_plans(doc_ids: torch.Tensor, llama3) -> list[tuple]:
     """Per row: this rank's cu_seqlens for q and k, max lengths and the K slice (cached per batch)."""
     if _SP.varlen[0] is doc_ids:
         return _SP.varlen[1]
-    parts = [torch.empty_like(doc_ids) for _ in range(_SP.size)]
-    dist.all_gather(parts, doc_ids.contiguous(), group=_SP.group)
-    full = torch.cat(parts, dim=1)  # contiguous shards: rank order is position order
+    full = torch.cat(comm.all_gather(doc_ids, _SP.group), dim=1)  # contiguous shards: rank order is position order
     plans = []
     for row in full:
         bounds = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.numel()]
@@ -417,18 +494,16 @@ class _AllToAll(torch.autograd.Function):
 def _seq_to_heads(x):
     b, h, s, d = x.shape
     n = _SP.size
-    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [sp(dest), b, h/sp, s, d]
-    recv = torch.empty_like(send)  # [sp(source), b, h/sp, s, d]
-    dist.all_to_all_single(recv, send, group=_SP.group)
+    send = x.reshape(b, n, h // n, s, d).transpose(0, 1)  # [sp(dest), b, h/sp, s, d]
+    recv = comm.all_to_all(send, _SP.group)  # [sp(source), b, h/sp, s, d]
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
 
 
 def _heads_to_seq(x):
     b, hl, S, d = x.shape
     n = _SP.size
-    send = x.reshape(b, hl, n, S // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [sp(dest), b, h/sp, s, d]
-    recv = torch.empty_like(send)  # [sp(source = head block), b, h/sp, s, d]
-    dist.all_to_all_single(recv, send, group=_SP.group)
+    send = x.reshape(b, hl, n, S // n, d).permute(2, 0, 1, 3, 4)  # [sp(dest), b, h/sp, s, d]
+    recv = comm.all_to_all(send, _SP.group)  # [sp(source = head block), b, h/sp, s, d]
     return recv.transpose(0, 1).reshape(b, n * hl, S // n, d)
 
 
@@ -453,9 +528,8 @@ def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor
         out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
                                              enable_gqa=kf.shape[1] != qf.shape[1])
     else:
-        parts = [torch.empty_like(doc_ids) for _ in range(n)]
-        dist.all_gather(parts, doc_ids.contiguous(), group=_SP.group)
-        out = per_document_attention(qf, kf, vf, scale, torch.cat(parts, dim=1)[:, to_pos])
+        gathered = torch.cat(comm.all_gather(doc_ids, _SP.group), dim=1)
+        out = per_document_attention(qf, kf, vf, scale, gathered[:, to_pos])
     return _AllToAll.apply(out[:, :, order].contiguous(), False)
 
 

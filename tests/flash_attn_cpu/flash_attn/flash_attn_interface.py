@@ -2,7 +2,7 @@
 
 import torch
 
-from longsft.train.sequence_parallel import _block_bwd, _block_fwd
+from longsft.train.sequence_parallel import CPU_KERNEL
 
 
 def _heads_first(t: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -15,7 +15,7 @@ def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_l
                         softcap=0.0, alibi_slopes=None, return_softmax=False):
     assert dropout_p == 0 and window_size_left == -1 and window_size_right == -1 and not softcap
     groups = q.shape[2] // k.shape[2]
-    out, lse = _block_fwd(_heads_first(q), _heads_first(k, groups), _heads_first(v, groups), causal, softmax_scale)
+    out, lse = CPU_KERNEL.fwd(_heads_first(q), _heads_first(k, groups), _heads_first(v, groups), causal, softmax_scale)
     return out.transpose(1, 2).contiguous(), lse.float(), None, None
 
 
@@ -23,7 +23,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
                          window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
                          deterministic=False, rng_state=None):
     groups = q.shape[2] // k.shape[2]
-    gq, gk, gv = _block_bwd(_heads_first(dout), _heads_first(q), _heads_first(k, groups), _heads_first(v, groups),
+    gq, gk, gv = CPU_KERNEL.bwd(_heads_first(dout), _heads_first(q), _heads_first(k, groups), _heads_first(v, groups),
                             _heads_first(out), softmax_lse.contiguous(), causal, softmax_scale)
     if groups > 1:  # fold the repeated heads back onto their K/V head
         gk, gv = (g.unflatten(1, (-1, groups)).sum(2) for g in (gk, gv))
