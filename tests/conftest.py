@@ -58,23 +58,23 @@ TEST_OVERRIDES = ["data.sample_size=4", "validation.max_new_tokens=16", "logging
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    """Factory: a saved tiny random model of an HF architecture (qwen3 or llama), built once each."""
+    """Factory: a saved tiny random model of an HF architecture (qwen3 or llama; tied LM head or not), built once each."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     made = {}
 
-    def make(arch: str = "qwen3"):
-        if arch not in made:
-            out = tmp_path_factory.mktemp(f"model_{arch}")
+    def make(arch: str = "qwen3", tied: bool = True):
+        if (arch, tied) not in made:
+            out = tmp_path_factory.mktemp(f"model_{arch}{'' if tied else '_untied'}")
             extra = {"head_dim": 16} if arch == "qwen3" else {}
             cfg = AutoConfig.for_model(arch, vocab_size=151936, hidden_size=64, intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       tie_word_embeddings=True, **extra)
+                                       tie_word_embeddings=tied, **extra)
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-            made[arch] = out
-        return made[arch]
+            made[arch, tied] = out
+        return made[arch, tied]
 
     return make
 

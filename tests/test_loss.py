@@ -77,3 +77,91 @@ def test_liger_without_the_package_is_refused_with_the_fix():
 
     with pytest.raises(ConfigError, match="model.loss_kernel=liger needs the liger-kernel package"):
         validate(load_config("tiny", ["model.loss_kernel=liger"]))
+
+
+def test_the_loss_keeps_no_layer_output_alive(tiny_model_dir, sample_dir, tokenizer):
+    """At the LM head, no decoder layer's output may still be referenced by the loss path.
+
+    Saved tensors are *copied* here, as ``model.offload_activations`` copies them to the host on a
+    GPU (on CPU ``save_on_cpu`` keeps the very tensor, so it would hide the difference): whatever
+    still holds a layer's output at the loss is then memory the GPU keeps. ``output_hidden_states=True``
+    held every layer's (L x [tokens, hidden]), which the planner counts as offloaded.
+    """
+    import weakref
+
+    from longsft.train.config import ModelConfig
+    from longsft.train.model import build_model
+
+    model = build_model(ModelConfig(path=str(tiny_model_dir("qwen3")), tokenizer="qwen", dtype="fp32"))
+    items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:1], tokenizer, 512, "end", "truncate")
+    batch = collate(items, tokenizer.pad_token_id)
+    batch.pop("doc_ids")
+    outputs, alive_at_head = [], []
+
+    def remember(_module, _args, out):
+        outputs.append(weakref.ref(out[0] if isinstance(out, tuple) else out))
+
+    def count(_module, _args):
+        alive_at_head.append(sum(ref() is not None for ref in outputs))
+
+    hooks = [layer.register_forward_hook(remember) for layer in model.model.layers]
+    hooks.append(model.get_output_embeddings().register_forward_pre_hook(count))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        loss, _ = token_loss_sum(model, batch, chunk_tokens=64)
+    for h in hooks:
+        h.remove()
+    assert len(outputs) == len(model.model.layers) and alive_at_head
+    assert max(alive_at_head) == 0, f"{max(alive_at_head)} layer outputs alive at the LM head"
+    loss.backward()  # the copies were enough for the backward
+
+
+@pytest.fixture
+def liger_cpu(monkeypatch):
+    """Liger's entry point on CPU (tests/liger_cpu: its chunking and its gradients-in-forward)."""
+    import sys
+
+    from conftest import ROOT
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "liger_cpu"))
+    yield
+    for name in [m for m in sys.modules if m == "liger_kernel" or m.startswith("liger_kernel.")]:
+        del sys.modules[name]
+
+
+def test_liger_without_targets_gives_zero_not_a_division_by_zero(liger_cpu, tiny_model_dir):
+    """Under SP the answer sits on one rank; the others call the fused loss with no rows."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    from longsft.train.config import ModelConfig
+    from longsft.train.loss import fused_head_loss
+    from longsft.train.model import build_model
+
+    weight = torch.randn(100, 16, requires_grad=True)
+    with pytest.raises(ZeroDivisionError):  # what Liger's host code does with no rows
+        LigerFusedLinearCrossEntropyLoss(reduction="sum")(weight, torch.zeros(0, 16), torch.zeros(0, dtype=torch.long))
+    model = build_model(ModelConfig(path=str(tiny_model_dir("qwen3", tied=False)), tokenizer="qwen", dtype="fp32",
+                                    loss_kernel="liger"))
+    hidden = torch.zeros(0, model.config.hidden_size, requires_grad=True)
+    loss = fused_head_loss(model)(hidden, torch.zeros(0, dtype=torch.long))
+    loss.backward()
+    head = model.get_output_embeddings().weight
+    assert loss.item() == 0 and head.grad is not None and not head.grad.any()
+
+
+@pytest.mark.parametrize("arch, tied", [("qwen3", True), ("llama", False)])
+def test_liger_equals_the_naive_path(liger_cpu, tiny_model_dir, sample_dir, tokenizer, arch, tied):
+    from longsft.train.config import ModelConfig
+    from longsft.train.model import build_model
+
+    model = build_model(ModelConfig(path=str(tiny_model_dir(arch, tied)), tokenizer="qwen", dtype="fp32",
+                                    loss_kernel="liger"))
+    assert not any("fused" in k for k in model.state_dict())  # checkpoints unchanged
+    items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:1], tokenizer, 512, "end", "truncate")
+    batch = collate(items, tokenizer.pad_token_id)
+    batch.pop("doc_ids")
+    ref_loss, n, ref = _grads(model, batch)
+    loss, n2, got = _grads(model, batch, kernel="liger")
+    assert n2 == n and loss == pytest.approx(ref_loss, rel=1e-6)
+    assert set(got) == set(ref)
+    for k, g in ref.items():
+        assert ((got[k] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-4, k

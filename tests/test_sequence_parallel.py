@@ -101,6 +101,24 @@ def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dp, sp, ds", [(1, 2, "zero3_offload"), (2, 1, "zero3")])
+def test_liger_under_zero3_equals_one_process(tmp_path, tiny_model_dir, sample_dir, dp, sp, ds):
+    """model.loss_kernel=liger (tests/liger_cpu: Liger's gradients-in-forward and chunking) under ZeRO-3
+    with an untied head, whose weight only the fused loss gathers: its gradient arrives in the backward.
+    sp=2: SP rank 1 holds no answer token (zero rows); dp=2: two ranks' answers. Reference: one plain
+    process, full logits."""
+    model = str(tiny_model_dir("qwen3", tied=False))
+    data = str(sample_dir / "1k" / "train.jsonl")
+    common = ["optim.grad_accum=2", f"deepspeed.config={ds}", "stages.0.seq_len=1024", "model.loss_kernel=liger"]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests" / "liger_cpu"), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    ref, got = tmp_path / "ref.pt", tmp_path / "liger.pt"
+    torchrun([STEP, "ref", model, data, str(ref), str(dp), *common], nproc=1, env=env)
+    torchrun([STEP, "ds", model, data, str(got), str(dp), *common, f"parallel.sp_size={sp}"], nproc=2, env=env)
+    compare_steps(ref, got)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sp, backend", [(1, "torch"), (2, "torch"), (2, "ulysses")])
 def test_packed_rows_equal_one_sample_at_a_time(tmp_path, tiny_model_dir, sample_dir, sp, backend):
     """Packed rows (several documents per row, masked from each other, positions reset) give the

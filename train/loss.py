@@ -10,8 +10,13 @@ ZeRO-3 gathers its (partitioned) weight for every call, forward and recompute al
 makes the same number of calls.
 ``model.loss_kernel=liger`` hands the target positions' hidden states and the head weight to
 Liger's fused linear cross-entropy (GPU), which computes the weight and input gradients chunk by
-chunk inside its forward. Under ZeRO-3 the partitioned head weight is gathered around that call
-(the gradient is already computed when it is re-partitioned).
+chunk inside its forward (the weight's accumulated in fp32) and hands them over in its backward.
+It runs as a module of the model (:class:`FusedHeadLoss`, attached by ``build_model``) with the
+head weight registered as its external parameter: ZeRO-3 gathers the weight for that module's
+forward *and* again for its backward, where the weight's full gradient is accumulated (gathering it
+around the forward call alone leaves a 0-element partition there: "size of tensor a (0) must match").
+Every rank calls it once per micro-step, one ignored row where it has no target (Liger's chunking
+divides by zero for none), because the gathers are collectives.
 ``model.offload_activations`` keeps the tensors saved for backward (with gradient checkpointing:
 each layer's input) in CPU memory during the forward.
 
@@ -30,7 +35,22 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import comm
 from .data import IGNORE
+
+
+def _selects_hidden_states() -> bool:
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Only the last hidden state: ``output_hidden_states=True`` keeps every layer's output ([batch, seq,
+# hidden] each) alive until the loss is done, which on GPUs defeats ``model.offload_activations``.
+# Selecting by index needs transformers >= 5.24; older versions get all of them (correct, more memory).
+LAST_HIDDEN_STATE: list[int] | bool = [-1] if _selects_hidden_states() else True
 
 
 def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
@@ -52,13 +72,13 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
             logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [n_targets, vocab]
             loss = F.cross_entropy(logits, targets[keep], reduction="sum")
         else:
-            out = model(**kw, logits_to_keep=torch.zeros_like(keep), output_hidden_states=True)
+            base = getattr(model, "module", model)
+            out = model(**kw, logits_to_keep=torch.zeros_like(keep), output_hidden_states=LAST_HIDDEN_STATE)
             hidden = out.hidden_states[-1][keep]  # [n_targets, hidden]: the final (normed) hidden states
-            head = getattr(model, "module", model).get_output_embeddings()
             if kernel == "liger":
-                loss = liger_cross_entropy(head, hidden, targets[keep])
+                loss = fused_head_loss(base)(hidden, targets[keep])
             else:
-                loss = chunked_cross_entropy(head, hidden, targets[keep], chunk_tokens)
+                loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[keep], chunk_tokens)
     return loss, int(keep.sum())
 
 
@@ -72,28 +92,57 @@ def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: 
     n = hidden.shape[0]
     # Every rank calls the head equally often (empty chunks where it has fewer targets): under ZeRO-3
     # each call all-gathers the partitioned weight, a collective that must match across the world.
-    most = torch.tensor([n], device=hidden.device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+    most = comm.max_over_ranks(n)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for k in range(max(1, -(-int(most.item()) // chunk))):
+    for k in range(max(1, -(-most // chunk))):
         i = k * chunk
         total = total + checkpoint(part, hidden[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
     return total
 
 
-def liger_cross_entropy(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """sum CE(head(hidden), targets) by Liger's fused kernel; hidden [n, H], targets [n] (GPU only)."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+FUSED_LOSS = "longsft_fused_head_loss"  # the attribute build_model gives the model for model.loss_kernel=liger
 
-    gathered = nullcontext()
-    if hasattr(head.weight, "ds_id"):  # ZeRO-3: every rank gathers (a collective), whatever its n
+
+class FusedHeadLoss(torch.nn.Module):
+    """sum CE(head(hidden), targets) by Liger's fused linear cross-entropy; hidden [n, H], targets [n].
+
+    A module of the model without parameters of its own: the head weight stays the LM head's (its
+    name and checkpoints unchanged); under ZeRO-3 it is this module's external parameter, so it is
+    gathered for this module's forward and for its backward.
+    """
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__()
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        self._head = (head,)  # a tuple: not a submodule, so the head is not registered twice
+        # fp32 accumulation of the weight gradient over Liger's chunks (its default is the weight dtype)
+        self.kernel = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == 0:  # Liger divides by zero for no rows: one ignored row (loss 0, zero gradients)
+            hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+            targets = torch.cat([targets, targets.new_full((1,), IGNORE)])
+        return self.kernel(self._head[0].weight, hidden, targets).float()
+
+
+def attach_fused_loss(model) -> None:
+    """Give ``model`` its :class:`FusedHeadLoss` (before ``deepspeed.initialize``, which hooks every module)."""
+    head = model.get_output_embeddings()
+    fused = FusedHeadLoss(head)
+    model.add_module(FUSED_LOSS, fused)
+    if hasattr(head.weight, "ds_id"):  # partitioned by ZeRO-3: gather it for this module's forward and backward
         import deepspeed
 
-        gathered = deepspeed.zero.GatheredParameters([head.weight], modifier_rank=None)
-    with gathered:
-        return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")(
-            head.weight, hidden, targets).float()
+        deepspeed.zero.register_external_parameter(fused, head.weight)
+
+
+def fused_head_loss(model) -> FusedHeadLoss:
+    fused = getattr(model, FUSED_LOSS, None)
+    if fused is None:
+        raise RuntimeError("model.loss_kernel=liger needs the model built with it (build_model attaches the fused "
+                           "loss module before DeepSpeed hooks the model)")
+    return fused
 
 
 def backward_scale(n_global_tokens: int, dp_world_size: int, grad_accum: int) -> float:

@@ -66,7 +66,8 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     for k, idx in enumerate(micro):
         batch, _ = make_batch([rows[i] for i in idx], tok.pad_token_id, d, cfg.data.packing)
         with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
-            loss, _ = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations)
+            loss, _ = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations,
+                                     cfg.model.loss_kernel)
             engine.backward(loss * scale)
         local += loss.detach().double()
         if k == len(micro) - 1:  # gradients of the whole step are reduced: read before the update
