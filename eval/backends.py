@@ -20,7 +20,9 @@ class Generation:
 
 
 class HFBackend:
-    """``AutoModelForCausalLM.generate`` on CPU or one GPU; rope scaling from the recipe's model config."""
+    """``AutoModelForCausalLM.generate`` on CPU or one GPU; rope scaling from the recipe's model config
+    (applied to the model's own rope parameters, as training applies it; a trained checkpoint, which
+    already carries it, is unchanged)."""
 
     name = "hf"
 
@@ -31,7 +33,8 @@ class HFBackend:
         from longsft.train.model import build_hf_config, build_tokenizer
 
         self.tok = build_tokenizer(model_cfg)
-        hf_cfg = build_hf_config(model_cfg, model_cfg.path)
+        hf_cfg = build_hf_config(model_cfg)
+        hf_cfg.use_cache = True  # generation (build_hf_config is for training, without a KV cache)
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_cfg, dtype=torch_dtype,
                                                           trust_remote_code=model_cfg.trust_remote_code)
@@ -51,15 +54,39 @@ class HFBackend:
         x = torch.tensor([list(ids)], device=self.device)
         with torch.no_grad():
             out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=self.max_new_tokens,
-                                      do_sample=False, pad_token_id=self.tok.pad_token_id,
+                                      do_sample=False, use_cache=True, pad_token_id=self.tok.pad_token_id,
                                       eos_token_id=self.tok.eos_token_id)
         new = out[0, x.shape[1]:]
         return Generation(self.tok.decode(new, skip_special_tokens=True), x.shape[1], int(new.shape[0]),
                           time.time() - t0)
 
 
+def vllm_engine_args(model_cfg, max_model_len: int = 0, tensor_parallel: int = 1) -> dict:
+    """Keyword arguments of ``vllm.LLM`` for ``model_cfg``.
+
+    The recipe's rope scaling goes in as ``hf_overrides={"rope_parameters": ...}``, merged into the
+    model's own rope parameters exactly as training merges it (``build_hf_config``). vLLM sets a dict
+    override on the HF config as it is, after its own rope checks; under transformers 5 a
+    ``rope_scaling`` override replaces ``rope_parameters`` whole and drops ``rope_theta`` (Qwen3-8B:
+    1e6 -> None). ``max_model_len`` 0 lets vLLM derive it from those rope parameters.
+    """
+    from longsft.train.model import build_hf_config
+
+    kw: dict = {"model": model_cfg.path, "tensor_parallel_size": tensor_parallel,
+                "tokenizer": model_cfg.tokenizer if model_cfg.tokenizer not in (None, "qwen") else None,
+                "trust_remote_code": model_cfg.trust_remote_code, "hf_overrides": {}}
+    if model_cfg.rope_scaling:
+        hf = build_hf_config(model_cfg)
+        kw["hf_overrides"] = {"rope_parameters": dict(hf.rope_parameters),
+                              "max_position_embeddings": hf.max_position_embeddings}
+    if max_model_len:
+        kw["max_model_len"] = max_model_len
+    return kw
+
+
 class VLLMBackend:
-    """vLLM on GPUs (``pip install longsft[vllm]``); the recipe's rope scaling goes in as an HF override.
+    """vLLM on GPUs (``pip install longsft[vllm]``); the recipe's rope scaling goes in as an HF override
+    (:func:`vllm_engine_args`).
 
     Not exercised in CI (no GPU); the import error is the message users see without vLLM."""
 
@@ -73,11 +100,7 @@ class VLLMBackend:
             from longsft.train.config import ConfigError
 
             raise ConfigError("backend=vllm needs vLLM on a GPU machine: pip install 'longsft[vllm]'") from None
-        overrides = {"rope_scaling": model_cfg.rope_scaling} if model_cfg.rope_scaling else {}
-        kw = {"max_model_len": max_model_len} if max_model_len else {}
-        self.llm = LLM(model=model_cfg.path, tokenizer=model_cfg.tokenizer if model_cfg.tokenizer != "qwen" else None,
-                       hf_overrides=overrides, tensor_parallel_size=tensor_parallel,
-                       trust_remote_code=model_cfg.trust_remote_code, **kw)
+        self.llm = LLM(**vllm_engine_args(model_cfg, max_model_len, tensor_parallel))
         self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         self.chat_kwargs = {"enable_thinking": enable_thinking}
 

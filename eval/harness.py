@@ -44,6 +44,8 @@ class EvalConfig:
     max_new_tokens: int = 512
     enable_thinking: bool = False
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    max_model_len: int = 0  # vllm: context window (0: the model's, after the recipe's rope scaling)
+    tensor_parallel: int = 1  # vllm: GPUs per model
     base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
     api_key_env: str = "OPENAI_API_KEY"
     requests_per_minute: float = 0.0
@@ -74,6 +76,9 @@ def parse_eval_args(argv: list[str]) -> EvalConfig:
         raise ConfigError("backend=openai needs base_url= (an OpenAI-compatible endpoint, e.g. http://host:8000/v1)")
     if cfg.repeats < 1:
         raise ConfigError(f"repeats={cfg.repeats} must be >= 1")
+    if cfg.tensor_parallel < 1 or cfg.max_model_len < 0:
+        raise ConfigError(f"tensor_parallel={cfg.tensor_parallel} must be >= 1 and max_model_len={cfg.max_model_len} "
+                          ">= 0 (0: the model's window)")
     if not Path(cfg.data).exists():
         raise ConfigError(f"data={cfg.data}: file not found")
     return cfg
@@ -96,7 +101,8 @@ def make_backend(cfg: EvalConfig):
         return OpenAIBackend(cfg.model, cfg.base_url, cfg.max_new_tokens, cfg.api_key_env, cfg.requests_per_minute,
                              cfg.retries)
     if cfg.backend == "vllm":
-        return VLLMBackend(model_config(cfg), cfg.max_new_tokens, cfg.enable_thinking)
+        return VLLMBackend(model_config(cfg), cfg.max_new_tokens, cfg.enable_thinking, cfg.max_model_len,
+                           cfg.tensor_parallel)
     return HFBackend(model_config(cfg), cfg.max_new_tokens, cfg.enable_thinking, cfg.dtype)
 
 

@@ -144,3 +144,59 @@ def test_bad_eval_arguments(data, args, message):
     args = [a.format(data=data) for a in args]
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         parse_eval_args(args)
+
+
+def test_hf_backend_loads_the_recipe_rope_scaling(tiny_model_dir, tmp_path):
+    """What the HF backend builds, not just the config it is given: a base model evaluated with
+    recipe=qwen3_8b runs YaRN x4 on its own rope_theta; a checkpoint that carries it already is unchanged."""
+    from transformers import AutoConfig
+
+    from longsft.eval.backends import HFBackend
+
+    path = str(tiny_model_dir("qwen3"))
+    theta = AutoConfig.from_pretrained(path).rope_parameters["rope_theta"]
+    backend = HFBackend(model_config(EvalConfig(model=path, data="d", recipe="qwen3_8b", tokenizer="qwen")), 4,
+                        dtype="fp32")
+    rope = backend.model.config.rope_parameters
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4.0 and rope["rope_theta"] == theta
+    assert backend.model.model.rotary_emb.rope_type == "yarn" and backend.model.model.rotary_emb.attention_scaling > 1
+    backend.model.save_pretrained(tmp_path / "trained")
+    again = HFBackend(model_config(EvalConfig(model=str(tmp_path / "trained"), data="d", recipe="qwen3_8b",
+                                              tokenizer="qwen")), 4, dtype="fp32")
+    assert again.model.config.rope_parameters == rope
+    assert backend.generate("Hello").gen_tokens > 0
+
+
+@pytest.mark.parametrize("recipe, model_json", [("qwen3_8b", "Qwen3-8B.json"),
+                                                ("llama3_1_8b", "Llama-3.1-8B-Instruct.json")])
+def test_vllm_rope_override_keeps_the_models_rope_theta(tmp_path, recipe, model_json):
+    """vLLM sets a dict override on the HF config as it is (setattr). A ``rope_scaling`` override
+    drops rope_theta under transformers 5; the merged ``rope_parameters`` keeps it."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from longsft.eval.backends import vllm_engine_args
+
+    shutil.copy(ROOT / "recipes" / "models" / model_json, tmp_path / "config.json")
+    cfg = EvalConfig(model=str(tmp_path), data="d", recipe=recipe, tokenizer="qwen", tensor_parallel=2)
+    args = vllm_engine_args(model_config(cfg), cfg.max_model_len, cfg.tensor_parallel)
+    assert args["tensor_parallel_size"] == 2 and "max_model_len" not in args and args["tokenizer"] is None
+    assert vllm_engine_args(model_config(cfg), 65536)["max_model_len"] == 65536
+    scaling = load_config(recipe).model.rope_scaling
+    hf = AutoConfig.from_pretrained(tmp_path)
+    theta = hf.rope_parameters["rope_theta"]
+    for key, value in args["hf_overrides"].items():
+        setattr(hf, key, value)
+    assert hf.rope_parameters["rope_theta"] == theta and hf.rope_parameters["rope_type"] == scaling["rope_type"]
+    assert hf.rope_parameters["factor"] == scaling["factor"]
+    old = AutoConfig.from_pretrained(tmp_path)
+    old.rope_scaling = dict(scaling)  # what the backend passed before
+    assert old.rope_parameters.get("rope_theta") is None, "transformers no longer drops rope_theta here"
+
+
+def test_vllm_settings_are_checked(data):
+    cfg = parse_eval_args(["model=m", f"data={data}", "backend=vllm", "max_model_len=65536", "tensor_parallel=2"])
+    assert cfg.max_model_len == 65536 and cfg.tensor_parallel == 2
+    with pytest.raises(ConfigError, match="tensor_parallel=0 must be >= 1"):
+        parse_eval_args(["model=m", f"data={data}", "tensor_parallel=0"])
