@@ -59,10 +59,10 @@ def step(engine, cfg, batch) -> tuple[float, int]:
     return float(loss), n
 
 
-def planned(cfg, answer: int = ANSWER):
-    """(model shape, ``longsft plan``'s estimate of ``cfg``'s first stage on one GPU without the CUDA reserve)."""
+def planned(cfg, answer: int = ANSWER, cuda: bool = True):
+    """(model shape, ``longsft plan``'s estimate of ``cfg``'s first stage on one GPU; compare its
+    ``allocated`` (the total without margins) with ``max_memory_allocated``; ``cuda=False``: the CPU terms)."""
     from longsft.train import plan
 
     shape = plan.model_shape(cfg)
-    return shape, plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(gpus_per_node=1, reserve_gib=0),
-                                targets=answer)
+    return shape, plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(gpus_per_node=1, cuda=cuda), targets=answer)

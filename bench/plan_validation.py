@@ -6,7 +6,7 @@ One fresh process per (model, settings, length) runs the real training step (Dee
 one rank, gloo, DeepSpeed's CPU Adam; chunked loss, checkpointing) for three optimizer steps on one
 sequence with a 64-token answer. Measured: the peak RSS (VmHWM, reset through
 /proc/self/clear_refs after imports and process-group start) minus the RSS at that moment.
-Predicted: ``longsft plan``'s terms for one GPU, without the CUDA reserve, plus the host terms,
+Predicted: ``longsft plan``'s CPU terms for one GPU (no CUDA margins or flash workspace), plus the host terms,
 since on CPU "device" and host are the same memory. Writes bench/results/plan_validation.json.
 """
 
@@ -59,7 +59,7 @@ def predict(overrides: list[str], seq: int) -> dict:
     from longsft.train.config import load_config
 
     cfg = load_config("tiny", [*overrides, f"stages.0.seq_len={seq}"])
-    shape, est = onestep.planned(cfg)
+    shape, est = onestep.planned(cfg, cuda=False)
     return {"params": shape.params, "terms_bytes": est.terms, "host_bytes": est.host_per_node,
             "predicted_bytes": est.total + est.host_per_node}
 

@@ -67,9 +67,32 @@ def test_terms_follow_the_recipe_switches():
     assert no_ckpt.phases["layers"]["activations"] > 5 * base.phases["layers"]["activations"]
     c = load_config("qwen3_8b")
     c.model.loss_kernel = "liger"  # (validate() would want the package; the planner needs none)
-    assert plan.estimate(c, c.stages[-1], shape, hw).phases["loss"]["loss"] < base.phases["loss"]["loss"]
+    # a dense [vocab, hidden] weight gradient and its fp32 accumulator over Liger's chunks
+    assert plan.estimate(c, c.stages[-1], shape, hw).phases["loss"]["loss"] > 151936 * 4096 * (2 + 4)
     sp4 = with_("parallel.sp_size=4")
     assert sp4.tokens_per_gpu == 2 * t and sp4.total > base.total
+
+
+def test_gpu_terms_margins_and_validation_phase():
+    """What only a GPU has (flash backward workspace, margins outside max_memory_allocated) and the
+    validation phase: generate() on the whole prompt with a KV cache on every rank."""
+    cfg = load_config("qwen3_8b")
+    shape = plan.model_shape(cfg)
+    stage = cfg.stages[-1]  # validates: seq_len 100K+
+    gpu = plan.estimate(cfg, stage, shape, plan.Hardware())
+    cpu = plan.estimate(cfg, stage, shape, plan.Hardware(cuda=False))
+    t, h, d = gpu.tokens_per_gpu, 32, 128
+    flash = t * (4 * h * d + 4 * h) + t * 2 * h * d * 2  # fp32 dq accumulator + GQA-expanded dk/dv (bf16)
+    assert gpu.phases["layers"]["attention"] - cpu.phases["layers"]["attention"] == flash
+    assert not cpu.margins and set(gpu.margins) == {"reserve", "nccl", "fragmentation"}
+    assert gpu.margins["nccl"] == 4 * 0.25 * plan.GIB  # world, SP group, the ring's pair (dp = 1)
+    assert gpu.allocated == pytest.approx(gpu.total - sum(gpu.margins.values()))
+    val = gpu.phases["validation"]
+    assert val["kv_cache"] == 2 * 36 * stage.seq_len * 8 * 128 * 2  # K and V of every layer, whole prompt
+    assert val["activations"] > stage.seq_len * 12288 * 2  # the prefill's MLP intermediate, unsplit
+    assert "validation" not in plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware()).phases  # warmup: none
+    assert gpu.phases["layers"]["reuse"] == 2 * 1_000_000_000  # stage3_max_reuse_distance elements, bf16
+    assert plan.Hardware().gpu_gib < 80  # an "80 GB" card as PyTorch reports it
 
 
 def test_advice_fits_when_applied(capsys):

@@ -182,15 +182,18 @@ def _plan(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="longsft plan", description="predicted per-GPU peak memory of every stage")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--nodes", type=int, default=1)
-    ap.add_argument("--gpu-gib", type=float, default=80.0, help="memory of one GPU (H100/A100: 80, H200: 141)")
+    ap.add_argument("--gpu-gib", type=float, default=79.0,
+                    help="memory of one GPU as PyTorch reports it (80 GB H100/A100: 79; H200: 139.8)")
     ap.add_argument("--host-gib", type=float, default=None, help="host memory per node, to check offloading")
-    ap.add_argument("--reserve-gib", type=float, default=2.0, help="CUDA context, NCCL, fragmentation")
+    ap.add_argument("--reserve-gib", type=float, default=1.0, help="CUDA context and library workspaces")
+    ap.add_argument("--fragmentation", type=float, default=0.10, help="allocator slack, a share of the working set")
     ap.add_argument("--targets", type=int, default=None,
                     help="loss tokens per sequence (default: every token, the worst case)")
     ap.add_argument("--json", default=None, help="also write the prediction to this file")
     args, rest = ap.parse_known_args(argv)
     cfg = parse_run_args(rest)
-    hw = plan.Hardware(args.gpus_per_node, args.nodes, args.gpu_gib, args.host_gib, args.reserve_gib)
+    hw = plan.Hardware(args.gpus_per_node, args.nodes, args.gpu_gib, args.host_gib, args.reserve_gib,
+                       fragmentation=args.fragmentation)
     shape, rows = plan.plan(cfg, hw, args.targets)
     print(plan.table(cfg, hw, shape, rows))
     for stage, est in zip(cfg.stages, rows):

@@ -12,8 +12,17 @@ The peak is the resident state plus the largest of three working sets (bytes per
 - the ``layers`` phase: the head kept gathered for a tied embedding, one layer's weights, the
   decoder stack's activation peak, ring attention's accumulators and K/V blocks (sp > 1);
 - the ``embedding`` phase: the embedding gathered and its full gradient;
-- each with the reduce and prefetch buckets (``comm``), plus ``reserve`` (CUDA context, NCCL,
-  fragmentation; ``--reserve-gib``).
+- the ``validation`` phase (stages that validate): ``generate`` on the whole, unsplit validation
+  prompt on every rank: its KV cache and the prefill's traced working set, one layer gathered;
+- each with the reduce and prefetch buckets (``comm``), and (``stage3_max_reuse_distance``) the
+  layers ZeRO-3 keeps gathered around the forward/backward turn (``reuse``).
+
+On GPUs the attention terms add the flash backward's workspace (fp32 dq accumulator, GQA-expanded
+dk/dv) and the ring's merge temporaries, and three margins that ``max_memory_allocated`` does not
+see are added to the total: ``reserve`` (CUDA context and library workspaces, ``--reserve-gib``),
+``nccl`` (communicator buffers: world, SP and DP groups, the ring's peer-to-peer pair) and
+``fragmentation`` (caching-allocator slack, a share of the working set). ``Estimate.allocated`` is
+the total without them, what ``torch.cuda.max_memory_allocated`` measures.
 
 Activation memory is not a formula: the planner runs the real transformers modelling code on the
 meta device (no memory, no weights) with one and with two layers at the stage's exact token count,
@@ -50,9 +59,12 @@ class Hardware:
 
     gpus_per_node: int = 8
     nodes: int = 1
-    gpu_gib: float = 80.0
+    gpu_gib: float = 79.0  # what PyTorch reports for an "80 GB" card (79.1-79.6 GiB), less nothing else
     host_gib: float | None = None
-    reserve_gib: float = 2.0
+    reserve_gib: float = 1.0  # CUDA context, cuBLAS/cuDNN workspaces
+    nccl_gib_per_communicator: float = 0.25  # NCCL's buffers; NVLS on NVSwitch machines can take more
+    fragmentation: float = 0.10  # caching-allocator slack, a share of the working set
+    cuda: bool = True  # False: the CPU validation (no flash workspace, no margins)
 
     @property
     def world(self) -> int:
@@ -92,7 +104,7 @@ class Estimate:
     tokens_per_gpu: int
     resident: dict[str, float] = field(default_factory=dict)
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
-    reserve: float = 0.0
+    margins: dict[str, float] = field(default_factory=dict)  # not seen by max_memory_allocated
     host_per_node: float = 0.0
     gpu_bytes: float = 0.0
 
@@ -102,8 +114,13 @@ class Estimate:
 
     @property
     def terms(self) -> dict[str, float]:
-        """Resident terms and the peak working set's terms, one flat breakdown of ``total``."""
-        return {**self.resident, **self.phases[self.peak_phase], "reserve": self.reserve}
+        """Resident terms, the peak working set's terms and the margins: one flat breakdown of ``total``."""
+        return {**self.resident, **self.phases[self.peak_phase], **self.margins}
+
+    @property
+    def allocated(self) -> float:
+        """What ``torch.cuda.max_memory_allocated`` should show: the total without the margins."""
+        return self.total - sum(self.margins.values())
 
     @property
     def total(self) -> float:
@@ -237,6 +254,21 @@ def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
     return live.peak
 
 
+def prefill_peak(shape: Shape, m: ModelConfig, tokens: int) -> int:
+    """Peak bytes of one decoder layer's no-grad forward over ``tokens`` tokens (generate's prefill;
+    the KV cache is counted apart). Traced on the meta device like the training stack."""
+    key = ("prefill", tokens, m.dtype)
+    if key not in shape.traces:
+        dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float32
+        model = _meta_model(shape.hf, 1, dtype).eval()
+        x = torch.zeros(1, tokens, shape.hidden, device="meta", dtype=dtype)
+        live = _LiveBytes({p.untyped_storage()._cdata for p in model.parameters()})
+        with live, torch.no_grad():
+            model.model(inputs_embeds=x, position_ids=torch.arange(tokens, device="meta")[None], use_cache=False)
+        shape.traces[key] = live.peak
+    return shape.traces[key]
+
+
 def stack_activations(shape: Shape, m: ModelConfig, tokens: int) -> tuple[float, float]:
     """(peak over the decoder stack's forward+backward, bytes kept from the forward's end) at ``tokens``.
 
@@ -286,7 +318,8 @@ def zero_settings(cfg: RunConfig, stage: StageConfig, world: int, hidden: int) -
             "offload_param": zero.get("offload_param", {}).get("device", "none") == "cpu",
             "reduce_bucket": int(zero.get("reduce_bucket_size", 5e8)),
             "prefetch_bucket": int(zero.get("stage3_prefetch_bucket_size", 5e7)),
-            "max_live": int(zero.get("stage3_max_live_parameters", 1e9))}
+            "max_live": int(zero.get("stage3_max_live_parameters", 1e9)),
+            "reuse_distance": int(zero.get("stage3_max_reuse_distance", 1e9))}
 
 
 def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targets: int | None = None) -> Estimate:
@@ -305,7 +338,7 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     t = -(-cfg.optim.micro_batch_size * stage.seq_len // sp)  # tokens per GPU
     h, kv, d, H, L, V = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.layers, shape.vocab
     part = shape.params / world
-    e = Estimate(stage.name, stage.seq_len, t, reserve=hw.reserve_gib * GIB, gpu_bytes=hw.gpu_gib * GIB)
+    e = Estimate(stage.name, stage.seq_len, t, gpu_bytes=hw.gpu_gib * GIB)
     host = 0.0
 
     # DeepSpeed ZeRO-3 buffers (stage3.py): bf16/fp32 weight partition, fp32 master copy (the weight
@@ -325,8 +358,14 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
         off = L * t * H * b  # checkpointed layer inputs wait in host memory
         stack, kept, host = stack - off, kept - off, host + off
     # ring attention: fp32 out/lse and dq/dk/dv accumulators (dk, dv double-buffered while they
-    # travel), and the K/V blocks in flight
-    ring = 0 if sp == 1 else t * (4 * h * d + 4 * h + 4 * kv * d * (1 + 4) + 4 * kv * d * b)
+    # travel), the K/V blocks in flight, and the fp32 block output and products of each merge
+    ring = 0 if sp == 1 else t * (4 * h * d + 4 * h + 4 * kv * d * (1 + 4) + 4 * kv * d * b + 8 * h * d)
+    if hw.cuda:
+        # flash backward (flash_api.cpp mha_bwd): fp32 dq accumulator and softmax sums, and dk/dv
+        # expanded to every query head for GQA before they are summed per K/V head
+        ring += t * (4 * h * d + 4 * h) + (t * 2 * h * d * b if kv < h else 0)
+        if b == 4 and kv < h and sp > 1:  # fp32: the memory-efficient kernel takes K/V repeated per query head
+            ring += t * 2 * h * d * b
     rows = t if targets is None else min(t, targets)
     if cfg.model.loss_kernel == "liger":  # its own chunks of ~rows / (V / H) rows; a dense weight gradient
         chunk = 1 << max(0, math.ceil(math.log2(max(1, -(-rows // -(-V // H))))))
@@ -335,16 +374,32 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
         loss = min(rows, cfg.model.loss_chunk_tokens or rows) * V * (b + (4 if b < 4 else 0) + 4 + 4)
     big = b * shape.largest_module  # embedding or LM head: gathered whole, and its whole gradient
     comm = b * (z["reduce_bucket"] + z["prefetch_bucket"])
+    # ZeRO-3 does not release a parameter used again within stage3_max_reuse_distance elements: at the
+    # forward/backward turn the last layers (recomputed first) stay gathered, up to that many elements
+    reuse = b * min(z["reuse_distance"], z["max_live"], (L - 1) * shape.layer_params) if L > 1 else 0
     # measured (bench/plan_validation.py): with the optimizer offloaded, the largest module's
     # gradient is held twice while it is reduced and copied out
     big_grad = big * (2 if z["offload_optimizer"] else 1)
+    if cfg.model.loss_kernel == "liger":  # its weight gradient accumulates in fp32, then is cast
+        loss += V * H * 4
     e.phases = {
-        "loss": {"gathered": big, "weight_grad": big_grad, "activations": kept, "loss": loss, "comm": comm},
+        "loss": {"gathered": big, "weight_grad": big_grad, "activations": kept, "loss": loss, "comm": comm,
+                 "reuse": reuse},
         # the head stays gathered for its reuse by a tied embedding (stage3_max_reuse_distance)
         "layers": {"gathered": big + b * shape.layer_params, "weight_grad": 0, "activations": stack,
-                   "attention": ring, "comm": comm},
+                   "attention": ring, "comm": comm, "reuse": reuse},
         "embedding": {"gathered": big, "weight_grad": big_grad, "activations": t * H * b, "comm": comm},
     }
+    if stage.validate:  # generate() prefills the whole prompt (no SP split) with a KV cache on every rank
+        s_val = stage.seq_len
+        e.phases["validation"] = {"gathered": big + b * shape.layer_params, "kv_cache": 2 * L * s_val * kv * d * b,
+                                  "activations": prefill_peak(shape, cfg.model, s_val), "comm": comm}
+    if hw.cuda:
+        work = max(sum(p.values()) for p in e.phases.values())
+        communicators = 1 + (3 if sp > 1 else 0) + (1 if 1 < sp < world else 0)  # world; SP group + ring pair; DP
+        e.margins = {"reserve": hw.reserve_gib * GIB,
+                     "nccl": (hw.nccl_gib_per_communicator * GIB * communicators) if world > 1 else 0.0,
+                     "fragmentation": hw.fragmentation * work}
     e.host_per_node = host * hw.gpus_per_node
     return e
 
@@ -387,8 +442,8 @@ def advice(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targe
 
 # --------------------------------------------------------------------------- report
 
-TERMS = ("params", "grads", "optimizer", "gathered", "weight_grad", "activations", "attention", "loss", "comm",
-         "reserve")
+TERMS = ("params", "grads", "optimizer", "gathered", "weight_grad", "activations", "attention", "loss", "kv_cache",
+         "comm", "reuse", "reserve", "nccl", "fragmentation")
 
 
 def table(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) -> str:
@@ -409,6 +464,12 @@ def table(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) -> s
     if hw.host_gib is not None:
         need += f" of {hw.host_gib:g} GiB: {'fits' if host <= hw.host_gib else 'DOES NOT FIT'}"
     lines += ["", need]
+    if rows[0].margins:
+        m = rows[0].margins
+        lines.append(f"margins in the total (not in torch.cuda.max_memory_allocated): reserve {m['reserve'] / GIB:.1f} "
+                     f"GiB (CUDA context; --reserve-gib), nccl {m['nccl'] / GIB:.2f} GiB ({hw.nccl_gib_per_communicator:g} "
+                     f"GiB per communicator), fragmentation {hw.fragmentation:.0%} of the working set (set "
+                     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to keep it small)")
     return "\n".join(lines)
 
 
@@ -417,5 +478,6 @@ def to_json(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) ->
     return {"recipe": cfg.recipe, "hardware": dataclasses.asdict(hw), "shape": sizes,
             "stages": [{"stage": e.stage, "seq_len": e.seq_len, "tokens_per_gpu": e.tokens_per_gpu,
                         "terms_bytes": e.terms, "peak_at": e.peak_phase, "phases_bytes": e.phases,
-                        "total_bytes": e.total, "fits": e.fits,
+                        "margins_bytes": e.margins, "allocated_bytes": e.allocated, "total_bytes": e.total,
+                        "fits": e.fits,
                         "host_bytes_per_node": e.host_per_node} for e in rows]}
