@@ -4,7 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU wheel here; on a GPU machine install your CUDA build of torch first, or set TORCH_SPEC.
 TORCH_SPEC ?= torch==2.13.0
-NPROC ?= 2
+# The demo's ranks, each sequence split over all of them: 2 on a CPU (or on >= 2 GPUs), 1 on a
+# single GPU (NCCL puts one rank on a GPU).
+GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+NPROC ?= $(if $(filter 1,$(GPUS)),1,2)
 export LONGSFT_CACHE ?= $(CURDIR)/.cache/longsft
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/curriculum.py recipe=tiny $(ARGS)
+	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/curriculum.py recipe=tiny parallel.sp_size=$(NPROC) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

@@ -171,6 +171,7 @@ def test_signalled_job_checkpoints_requeues_and_ends_like_an_uninterrupted_run(c
     log = next((run_dir / "submit").iterdir()).joinpath(f"slurm-{job}.out").read_text()
     assert end["JobState"] == "COMPLETED" and end["Restarts"] == "1", log
     assert "SLURM asked to stop" in log and "requeueing job" in log
+    assert "2 CPU(s) per node, 1 thread(s) per rank" in log  # --cpus-per-task 2 shared by 2 ranks
     assert "stopped on request at step" in log and "resumed from" in log
     state = json.loads((run_dir / "state.json").read_text())["stages"]["a"]
     assert state["status"] == "done" and state["steps_done"] == 8

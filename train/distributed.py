@@ -108,6 +108,11 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
     dims = ParallelDims(world, sp_size)  # validate before any collective
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # NCCL cannot put two ranks on one GPU
+            raise ConfigError(f"{os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)} processes on this node but "
+                              f"{gpus} GPU(s): launch --nproc_per_node={gpus} (with a parallel.sp_size that divides "
+                              "the world size), or set CUDA_VISIBLE_DEVICES= to run on the CPU")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
