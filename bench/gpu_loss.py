@@ -7,8 +7,8 @@ A Qwen3-shaped model (hidden 1024, 4 layers, the real 151,936-token vocabulary),
 sequence of 8K tokens whose last 4K are targets. Paths: naive (full logits of the targets),
 chunked (model.loss_chunk_tokens=1024) and liger (model.loss_kernel=liger), each on the plain
 model and under DeepSpeed ZeRO-3 on one GPU (the LM head weight partitioned, gathered around the
-fused call). Reported: loss and every parameter gradient's relative error against the naive
-path, and the peak memory of the loss forward+backward. Writes bench/results/gpu_loss.json.
+fused module's forward and again for its backward). Reported: loss and every parameter gradient's
+relative error against the naive path, and the peak memory of the loss forward+backward. Writes bench/results/gpu_loss.json.
 """
 
 import argparse
@@ -35,7 +35,8 @@ def run(zero3: bool, kernel: str, chunk: int, dtype: str, seq: int, device: str)
     from longsft.train.loss import token_loss_sum
     from longsft.train.model import build_model
 
-    cfg = load_config("tiny", [*SHAPE, f"model.dtype={dtype}", f"stages.0.seq_len={seq}"])
+    # the kernel in the config too: build_model attaches Liger's loss module before ZeRO-3 hooks the model
+    cfg = load_config("tiny", [*SHAPE, f"model.dtype={dtype}", f"stages.0.seq_len={seq}", f"model.loss_kernel={kernel}"])
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 151936, (1, seq), generator=g)
     labels = ids.clone()
@@ -79,10 +80,9 @@ def main() -> None:
     dtype, seq = ("fp32", 512) if a.smoke else ("bf16", 8192)
     paths = [("naive", "torch", 0), ("chunked", "torch", 1024)]
     try:
-        import liger_kernel  # noqa: F401
+        import liger_kernel  # noqa: F401  (--smoke: tests/liger_cpu on PYTHONPATH runs its rows on CPU)
 
-        if device == "cuda":
-            paths.append(("liger", "liger", 0))
+        paths.append(("liger", "liger", 0))
     except ImportError:
         print("liger-kernel is not installed: its rows are missing")
     rows = []

@@ -25,6 +25,19 @@ def describe() -> dict:
     return info
 
 
+# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' data sheets: the usual MFU denominator.
+NOMINAL_BF16_TFLOPS = {"H200": 989.4, "H100 SXM": 989.4, "H100 80GB HBM3": 989.4, "GH200": 989.4, "H100 NVL": 835.0,
+                       "H100 PCIe": 756.0, "A100": 312.0, "L40S": 362.1, "B200": 2250.0, "B100": 1750.0}
+
+
+def nominal_bf16_tflops(gpu_name: str) -> float | None:
+    """The data-sheet dense bf16 peak of a GPU named like ``torch.cuda.get_device_name()`` (None: unknown)."""
+    for key, tflops in NOMINAL_BF16_TFLOPS.items():
+        if all(word in gpu_name for word in key.split()):
+            return tflops
+    return None
+
+
 def write_result(name: str, result: dict) -> None:
     """``bench/results/<name>.json`` (the machine described), and say where."""
     import json
