@@ -7,8 +7,10 @@ every rank the same amount of causal attention work.
 
 Attention (:func:`zigzag_ring_attention`): the ``torch`` backend. K/V blocks travel around the
 ring; each block is attended with PyTorch's own fused kernel that also returns the log-sum-exp
-(``aten::_scaled_dot_product_flash_attention_for_cpu`` on CPU, ``..._flash_attention`` on CUDA),
-and the partial outputs are merged with their log-sum-exp in fp32. The backward pass is our
+(:class:`BlockKernel`: ``aten::_scaled_dot_product_flash_attention_for_cpu`` on CPU; on CUDA
+``..._flash_attention`` for fp16/bf16, with grouped K/V heads as they are, and the memory-efficient
+kernel for fp32, which flash does not take), and the partial outputs are merged with their
+log-sum-exp in fp32. The backward pass is our
 own: each block's gradient is computed by the kernel's backward with the *final* output and
 log-sum-exp, dQ stays local and dK/dV travel around the ring back to their owner. We implement the
 ring rather than reuse ring-flash-attn's because its ring/zigzag backward was seen wrong in fp32
