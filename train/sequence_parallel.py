@@ -167,16 +167,6 @@ def shard_batch(batch: dict[str, torch.Tensor], sp_size: int, sp_rank: int, pad_
 # --------------------------------------------------------------------------- kernels
 
 
-def _block_mask(doc_q, doc_k, causal: bool, dtype):
-    """Additive mask [b, 1, sq, sk] allowing same-document (and, if causal, earlier) keys, and the
-    rows [b, sq] that may see no key of this block."""
-    allowed = doc_q[:, :, None] == doc_k[:, None, :]
-    if causal:
-        allowed &= torch.ones(allowed.shape[1:], dtype=torch.bool, device=allowed.device).tril()
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
-    return mask[:, None], ~allowed.any(-1)
-
-
 @dataclass(frozen=True)
 class BlockKernel:
     """A fused attention kernel that also returns the log-sum-exp: one ring block's forward and backward.
