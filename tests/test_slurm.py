@@ -70,8 +70,8 @@ def test_submit_plans_memory_before_booking_gpus(tmp_path):
     """--gpu-gib: the planner runs on the allocation; a stage that would not fit is refused."""
     args = ["submit", "--dry-run", "--nodes", "1", "--gpus-per-node", "8", "recipe=qwen3_8b",
             f"run_dir={tmp_path / 'run'}"]
-    r = cli(*args[:-2], "--gpu-gib", "9", *args[-2:], check=False)
-    assert r.returncode == 2 and "stage s64k needs" in r.stderr and "more than --gpu-gib 9" in r.stderr, r.stderr
+    r = cli(*args[:-2], "--gpu-gib", "16", *args[-2:], check=False)  # the early stages fit, s64k does not
+    assert r.returncode == 2 and "stage s64k needs" in r.stderr and "more than --gpu-gib 16" in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
     r = cli(*args[:-2], "--gpu-gib", "80", *args[-2:])
     assert "planned peak per GPU: warmup_2k" in r.stdout and "s100k" in r.stdout
