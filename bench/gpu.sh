@@ -24,13 +24,15 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit and record it
   timeout "$limit" "$@"
   printf '%s\t%s\t%s\n' "$name" "$?" "$((SECONDS - t0))" >> "$steps"
 }
-step checks 50 python3 bench/gpu_checks.py          # CUDA first contact: ring, NCCL device, Liger, memory
-step tiny 60 bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_1 1         # make demo's job on the GPU, 1 rank
-[ "$gpus" -lt 2 ] || step tiny_sp2 60 bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_2 2  # 2 ranks, sp=2
-step attention 60 python3 bench/gpu_attention.py    # ring block kernels vs SDPA, 16K-100K
-step loss 50 python3 bench/gpu_loss.py              # Liger vs chunked vs naive, plain and ZeRO-3
-step train 170 python3 bench/gpu_train.py           # tokens/s, MFU both ways, memory vs planner
-step validation 40 python3 bench/gpu_validation.py  # the validation hook's generation speed
+# limits add up to 7 minutes; each script rewrites its results file after every row, so a step that
+# runs out of time keeps what it measured
+step checks 45 python3 bench/gpu_checks.py           # CUDA first contact: ring, NCCL device, Liger, memory
+step tiny 50 bash bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_1 1   # make demo's job on the GPU, 1 rank
+[ "$gpus" -lt 2 ] || step tiny_sp2 50 bash bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_2 2  # 2 ranks, sp=2
+step attention 45 python3 bench/gpu_attention.py     # ring block kernels vs SDPA, 16K-100K
+step loss 50 python3 bench/gpu_loss.py               # Liger vs chunked vs naive, plain and ZeRO-3
+step train 150 python3 bench/gpu_train.py            # tokens/s, MFU both ways, memory vs planner
+step validation 80 python3 bench/gpu_validation.py   # the validation hook's generation speed
 tiny_dirs=(/tmp/longsft_gpu_tiny_1); [ "$gpus" -lt 2 ] || tiny_dirs+=(/tmp/longsft_gpu_tiny_2)
 python3 bench/gpu_report.py "$steps" --tiny "${tiny_dirs[@]}"
 if [ -n "${OUT:-}" ]; then cp bench/results/gpu*.json "$OUT"/ 2>/dev/null || true; fi

@@ -126,13 +126,13 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from machine import nominal_bf16_tflops, write_result
+    from machine import nominal_bf16_tflops
 
     from longsft.train.config import load_config
 
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     shape, dtype = (SMOKE, "fp32") if a.smoke else (QWEN3_1_7B, "bf16")
-    lengths = a.lengths or ([1024, 2048] if a.smoke else [16384, 32768, 65536, 102400])
+    lengths = a.lengths or ([1024, 2048] if a.smoke else [16384, 32768, 102400])
     runs = [(seq, False) for seq in lengths] + [(lengths[1 if len(lengths) > 1 else 0], True)]
     peak = matmul_peak(device, torch.float32 if a.smoke else torch.bfloat16)
     nominal = nominal_bf16_tflops(torch.cuda.get_device_name(0)) if device == "cuda" else None
@@ -142,11 +142,16 @@ def main() -> None:
     for seq, offload in runs:
         args = overrides(shape, seq, dtype, offload)
         out = Path(f"/tmp/longsft_gpu_train_{seq}.json")
-        r = subprocess.run([sys.executable, __file__, "--worker", str(seq), str(out), *args], cwd=ROOT, env=env,
-                           capture_output=True, text=True)
-        if r.returncode or not out.exists():
-            print(r.stderr[-3000:], file=sys.stderr)
+        try:
+            r = subprocess.run([sys.executable, __file__, "--worker", str(seq), str(out), *args], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=90)
+        except subprocess.TimeoutExpired:
+            r = None
+        if r is None or r.returncode or not out.exists():
+            print("timed out (90 s)" if r is None else r.stderr[-3000:], file=sys.stderr)
             rows.append({"seq": seq, "offload_activations": offload, "failed": True})
+            if not a.smoke:
+                save(rows, peak, nominal)
             continue
         row = {**json.loads(out.read_text()), "offload_activations": offload}
         row["predicted_bytes"] = onestep.planned(load_config("tiny", args))[1].allocated
@@ -159,6 +164,8 @@ def main() -> None:
                 row["memory_error"] = row["predicted_bytes"] / row["peak_bytes"] - 1
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if not a.smoke:
+            save(rows, peak, nominal)  # kept if a later run is cut off
     print("\n| tokens | offload act. | step s | tokens/s | TFLOP/s | MFU (data sheet) | MFU (measured peak) | peak GiB "
           "| planner GiB | planner error |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -177,10 +184,15 @@ def main() -> None:
           f"{longest['host_gib']:.0f} GiB of host memory")
     if a.smoke:  # a check of the script, not a result
         return
-    write_result("gpu_train", {"benchmark": "gpu_train", "shape": shape, "dtype": dtype, "matmul_peak_tflops": peak,
-                               "nominal_bf16_tflops": nominal, "rows": rows,
-                               "goal_mfu_at_32k": 0.45, "goal_memory_error": 0.10, "qwen3_8b_offload_longest": longest})
+    save(rows, peak, nominal, longest)
 
+
+def save(rows: list[dict], peak: float, nominal: float | None, longest: dict | None = None) -> None:
+    from machine import write_result
+
+    write_result("gpu_train", {"benchmark": "gpu_train", "shape": QWEN3_1_7B, "dtype": "bf16",
+                               "matmul_peak_tflops": peak, "nominal_bf16_tflops": nominal, "rows": rows,
+                               "goal_mfu_at_32k": 0.45, "goal_memory_error": 0.10, "qwen3_8b_offload_longest": longest})
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:

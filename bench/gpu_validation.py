@@ -63,13 +63,22 @@ def main() -> None:
     os.environ.update(onestep.rendezvous_env())
     distributed.init(1)
     rows = []
+    from machine import write_result
+
+    def save():  # after every row: a cut-off run keeps what it measured
+        if not a.smoke:
+            write_result("gpu_validation", {"benchmark": "gpu_validation", "shape": shape, "dtype": dtype,
+                                            "rows": rows})
+
     cfg = load_config("tiny", [*base, "deepspeed.config=zero3"])
-    model = build_model(cfg.model).to(device).eval()
+    with torch.device(device):  # random initialisation on the GPU, not the CPU
+        model = build_model(cfg.model).eval()
     model.config.use_cache = True
     vocab = model.config.vocab_size
     for seq in lengths:
         rows.append({"path": "plain", **measure(model, device, seq, new, vocab)})
         print(rows[-1], flush=True)
+        save()
     del model
     for ds, seqs, n in (("zero3", lengths[:1], new), ("zero3_offload", lengths[:1], max(2, new // 8))):
         cfg = load_config("tiny", [*base, f"deepspeed.config={ds}"])
@@ -79,6 +88,7 @@ def main() -> None:
         for seq in seqs:
             rows.append({"path": ds, **measure(engine.module, device, seq, n, vocab)})
             print(rows[-1], flush=True)
+            save()
         engine.destroy()
         del engine
         if device == "cuda":
@@ -88,10 +98,6 @@ def main() -> None:
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         print(f"| {r['path']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['prefill_s']:.2f} | "
               f"{r['decode_tokens_per_s']:.1f} | {peak} |")
-    if not a.smoke:
-        from machine import write_result
-
-        write_result("gpu_validation", {"benchmark": "gpu_validation", "shape": shape, "dtype": dtype, "rows": rows})
     distributed.shutdown()
 
 

@@ -101,13 +101,14 @@ def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp, sp, ds", [(1, 2, "zero3_offload"), (2, 1, "zero3")])
-def test_liger_under_zero3_equals_one_process(tmp_path, tiny_model_dir, sample_dir, dp, sp, ds):
-    """model.loss_kernel=liger (tests/liger_cpu: Liger's gradients-in-forward and chunking) under ZeRO-3
-    with an untied head, whose weight only the fused loss gathers: its gradient arrives in the backward.
-    sp=2: SP rank 1 holds no answer token (zero rows); dp=2: two ranks' answers. Reference: one plain
-    process, full logits."""
-    model = str(tiny_model_dir("qwen3", tied=False))
+@pytest.mark.parametrize("dp, sp, ds, tied", [(1, 2, "zero3_offload", False), (2, 1, "zero3", False),
+                                             (1, 2, "zero3", True)])
+def test_liger_under_zero3_equals_one_process(tmp_path, tiny_model_dir, sample_dir, dp, sp, ds, tied):
+    """model.loss_kernel=liger (tests/liger_cpu: Liger's gradients-in-forward and chunking) under ZeRO-3.
+    Untied head: only the fused loss gathers its weight, whose gradient arrives in the backward; tied:
+    the same weight is also the embedding's. sp=2: SP rank 1 holds no answer token (zero rows, checked);
+    dp=2: two ranks' answers. Reference: one plain process, full logits."""
+    model = str(tiny_model_dir("qwen3", tied=tied))
     data = str(sample_dir / "1k" / "train.jsonl")
     common = ["optim.grad_accum=2", f"deepspeed.config={ds}", "stages.0.seq_len=1024", "model.loss_kernel=liger"]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests" / "liger_cpu"), os.environ.get("PYTHONPATH"))
@@ -115,7 +116,10 @@ def test_liger_under_zero3_equals_one_process(tmp_path, tiny_model_dir, sample_d
     ref, got = tmp_path / "ref.pt", tmp_path / "liger.pt"
     torchrun([STEP, "ref", model, data, str(ref), str(dp), *common], nproc=1, env=env)
     torchrun([STEP, "ds", model, data, str(got), str(dp), *common, f"parallel.sp_size={sp}"], nproc=2, env=env)
-    compare_steps(ref, got)
+    if sp == 2:
+        per_rank = torch.load(got)["targets_per_rank"]
+        assert all(n > 0 for n in per_rank[0]) and all(n == 0 for n in per_rank[1]), per_rank
+    compare_steps(ref, got, rel_grad=5e-5)  # fp32; Liger's chunks sum in another order (measured <= 1.1e-5)
 
 
 @pytest.mark.slow

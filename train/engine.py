@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, RunConfig, StageConfig
+from .loss import register_fused_loss
 
 DS_DIR = Path(__file__).resolve().parents[1] / "ds_configs"
 
@@ -125,4 +126,5 @@ def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
         opt, lr_lambda(o.scheduler, total_steps, o.warmup_steps, o.min_lr_ratio))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=copy.deepcopy(ds_config), lr_scheduler=sched)
+    register_fused_loss(engine.module)  # model.loss_kernel=liger: the head weight, now surely partitioned
     return engine

@@ -120,21 +120,32 @@ class FusedHeadLoss(torch.nn.Module):
         self.kernel = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32)
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        weight = self._head[0].weight
+        if hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
+            raise RuntimeError("the fused loss's head weight is partitioned by ZeRO-3 but not registered with it "
+                               "(register_fused_loss after deepspeed.initialize)")
         if hidden.shape[0] == 0:  # Liger divides by zero for no rows: one ignored row (loss 0, zero gradients)
             hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
             targets = torch.cat([targets, targets.new_full((1,), IGNORE)])
-        return self.kernel(self._head[0].weight, hidden, targets).float()
+        return self.kernel(weight, hidden, targets).float()
 
 
 def attach_fused_loss(model) -> None:
     """Give ``model`` its :class:`FusedHeadLoss` (before ``deepspeed.initialize``, which hooks every module)."""
-    head = model.get_output_embeddings()
-    fused = FusedHeadLoss(head)
-    model.add_module(FUSED_LOSS, fused)
-    if hasattr(head.weight, "ds_id"):  # partitioned by ZeRO-3: gather it for this module's forward and backward
+    model.add_module(FUSED_LOSS, FusedHeadLoss(model.get_output_embeddings()))
+    register_fused_loss(model)
+
+
+def register_fused_loss(model) -> None:
+    """Once ZeRO-3 has partitioned the head weight (at load under ``HfDeepSpeedConfig``, or by
+    ``deepspeed.initialize``): make it the fused loss module's external parameter, gathered for that
+    module's forward and backward. Idempotent; nothing without the module or without ZeRO-3."""
+    fused = getattr(model, FUSED_LOSS, None)
+    weight = model.get_output_embeddings().weight
+    if fused is not None and hasattr(weight, "ds_id") and id(weight) not in getattr(fused, "_external_params", {}):
         import deepspeed
 
-        deepspeed.zero.register_external_parameter(fused, head.weight)
+        deepspeed.zero.register_external_parameter(fused, weight)
 
 
 def fused_head_loss(model) -> FusedHeadLoss:

@@ -360,12 +360,12 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     # ring attention: fp32 out/lse and dq/dk/dv accumulators (dk, dv double-buffered while they
     # travel), the K/V blocks in flight, and the fp32 block output and products of each merge
     ring = 0 if sp == 1 else t * (4 * h * d + 4 * h + 4 * kv * d * (1 + 4) + 4 * kv * d * b + 8 * h * d)
-    if hw.cuda:
+    if hw.cuda and b < 4:
         # flash backward (flash_api.cpp mha_bwd): fp32 dq accumulator and softmax sums, and dk/dv
         # expanded to every query head for GQA before they are summed per K/V head
         ring += t * (4 * h * d + 4 * h) + (t * 2 * h * d * b if kv < h else 0)
-        if b == 4 and kv < h and sp > 1:  # fp32: the memory-efficient kernel takes K/V repeated per query head
-            ring += t * 2 * h * d * b
+    elif hw.cuda and kv < h and sp > 1:  # fp32: the memory-efficient kernel takes K/V repeated per query head
+        ring += t * 2 * h * d * b
     rows = t if targets is None else min(t, targets)
     if cfg.model.loss_kernel == "liger":  # its own chunks of ~rows / (V / H) rows; a dense weight gradient
         chunk = 1 << max(0, math.ceil(math.log2(max(1, -(-rows // -(-V // H))))))

@@ -17,7 +17,7 @@ import torch
 
 
 def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
-    from longsft.train import distributed
+    from longsft.train import comm, distributed
 
     from longsft.train.config import load_config
 
@@ -62,20 +62,22 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     scale = backward_scale(n_global, engine.dp_world_size, o.grad_accum)
     local = torch.zeros((), dtype=torch.float64)
     micro = sampler.step(0)
-    grads = {}
+    grads, targets = {}, []
     for k, idx in enumerate(micro):
         batch, _ = make_batch([rows[i] for i in idx], tok.pad_token_id, d, cfg.data.packing)
         with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
-            loss, _ = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations,
+            loss, n = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations,
                                      cfg.model.loss_kernel)
+            targets.append(n)
             engine.backward(loss * scale)
         local += loss.detach().double()
         if k == len(micro) - 1:  # gradients of the whole step are reduced: read before the update
             grads = {n: deepspeed.utils.safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
         engine.step()
-    torch.distributed.all_reduce(local)
+    total = comm.all_reduce([float(local)])[0]
+    per_rank = comm.all_gather_objects(targets)  # target tokens of each micro-step, per rank
     if d.is_main:
-        torch.save({"loss": local.item() / n_global, "grads": grads}, out)
+        torch.save({"loss": total / n_global, "grads": grads, "targets_per_rank": per_rank}, out)
     distributed.shutdown()
 
 
