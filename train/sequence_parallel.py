@@ -99,15 +99,14 @@ def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
 def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
     """Remember this rank's SP group and register the attention function (idempotent)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     _SP.group, _SP.ranks, _SP.size, _SP.rank = group, tuple(ranks), len(ranks), ranks.index(rank)
     _SP.backend = backend
     if backend == "ring_flash_attn" and len(ranks) > 1:
         _ring_flash_attn_func()  # import now: a broken install fails here, not in the first forward
     AttentionInterface.register(ATTN_NAME, sp_attention_forward)
-    # Masks as for SDPA, so the unsplit fallback (generation) is exactly SDPA; the ring ignores them.
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_NAME, sp_mask)
 
 
 @contextlib.contextmanager
@@ -523,6 +522,16 @@ def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor
         gathered = torch.cat(comm.all_gather(doc_ids, _SP.group), dim=1)
         out = per_document_attention(qf, kf, vf, scale, gathered[:, to_pos])
     return _AllToAll.apply(out[:, :, order].contiguous(), False)
+
+
+def sp_mask(**kwargs):
+    """The attention mask transformers builds for ``longsft_sp``: none while :func:`active` (the ring,
+    Ulysses and per-document attention take positions from the layout and documents from ``doc_ids``;
+    the zigzag position jumps would otherwise make transformers build a [b, 1, s_local, s_local] mask
+    for packed sequences that nothing reads), SDPA's otherwise (the unsplit fallback, e.g. generation)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _SP.active else sdpa_mask(**kwargs)
 
 
 def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
