@@ -76,9 +76,10 @@ def parse_eval_args(argv: list[str]) -> EvalConfig:
         raise ConfigError("backend=openai needs base_url= (an OpenAI-compatible endpoint, e.g. http://host:8000/v1)")
     if cfg.repeats < 1:
         raise ConfigError(f"repeats={cfg.repeats} must be >= 1")
-    if cfg.tensor_parallel < 1 or cfg.max_model_len < 0:
-        raise ConfigError(f"tensor_parallel={cfg.tensor_parallel} must be >= 1 and max_model_len={cfg.max_model_len} "
-                          ">= 0 (0: the model's window)")
+    if cfg.tensor_parallel < 1:
+        raise ConfigError(f"tensor_parallel={cfg.tensor_parallel} must be >= 1 (GPUs per model)")
+    if cfg.max_model_len < 0:
+        raise ConfigError(f"max_model_len={cfg.max_model_len} must be >= 0 (0: the model's window)")
     if not Path(cfg.data).exists():
         raise ConfigError(f"data={cfg.data}: file not found")
     return cfg

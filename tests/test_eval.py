@@ -200,3 +200,5 @@ def test_vllm_settings_are_checked(data):
     assert cfg.max_model_len == 65536 and cfg.tensor_parallel == 2
     with pytest.raises(ConfigError, match="tensor_parallel=0 must be >= 1"):
         parse_eval_args(["model=m", f"data={data}", "tensor_parallel=0"])
+    with pytest.raises(ConfigError, match="max_model_len=-1 must be >= 0"):
+        parse_eval_args(["model=m", f"data={data}", "max_model_len=-1"])
