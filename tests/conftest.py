@@ -32,6 +32,26 @@ def sample_dir(tmp_path_factory, tokenizer):
     return out
 
 
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """``longsft ARGV`` in this process: (exit status, stdout, stderr); a traceback fails the test."""
+    from longsft.train.cli import main
+
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return code, out, err
+
+
+def snapshot(*roots: Path) -> dict[str, bytes]:
+    """Every file under ``roots`` and its bytes: compare before/after to show nothing was lost."""
+    files = {}
+    for root in roots:
+        for p in sorted(Path(root).rglob("*")) if Path(root).is_dir() else [Path(root)]:
+            if p.is_file():
+                files[str(p)] = p.read_bytes()
+    return files
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -54,7 +54,7 @@ def test_data_file_missing_or_empty(tmp_path):
 
 def test_run_directory_of_another_curriculum_is_refused(tmp_path):
     cfg = load_config("tiny", [f"run_dir={tmp_path}"])
-    (tmp_path / "state.json").write_text(json.dumps({"recipe": "x", "stages": {"s2k": {}, "s16k": {}}}))
+    (tmp_path / "state.json").write_text(json.dumps({"recipe": "x", "stages": {"s2k": {"status": "done"}, "s16k": {"status": "pending"}}}))
     with pytest.raises(ConfigError, match=r"holds stages \['s2k', 's16k'\], the recipe has"):
         load_state(cfg)
 
@@ -139,3 +139,173 @@ def test_model_path_that_is_not_a_model(tmp_path, capsys, path, message):
     assert main(["train", "recipe=tiny", f"model.path={path}", "model.config=null", f"run_dir={tmp_path / 'run'}"]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- every command (issue 17): recipes and overrides
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"base: [tiny]\n", "bad.yaml:1: base must be one recipe name or path, got ['tiny']"),
+    (b"a: &x [*x]\n", "bad.yaml: nested too deeply, or a YAML alias that refers to itself"),
+    (b"optim: &o\n  lr: *o\n", "bad.yaml: nested too deeply, or a YAML alias that refers to itself"),
+    (b"optim:\n  lr: \xff\xfe\n", "bad.yaml:2: not UTF-8 text"),
+])
+def test_broken_recipe_files(tmp_path, capsys, text, message):
+    from conftest import run_cli
+
+    (tmp_path / "bad.yaml").write_bytes(text)
+    code, _, err = run_cli(capsys, "config", f"recipe={tmp_path / 'bad.yaml'}")
+    assert code == 2 and message in err, err
+
+
+def test_a_folder_given_as_recipe(tmp_path, capsys):
+    from conftest import run_cli
+
+    code, _, err = run_cli(capsys, "config", f"recipe={tmp_path}")
+    assert code == 2 and f"{tmp_path}: is a directory, expected a file" in err
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=nan", "'optim.lr' must be a finite number, got nan"),
+    ("optim.lr=.inf", "'optim.lr' must be a finite number, got inf"),
+    ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
+    ("stages.0.epochs=nan", "'stages.0.epochs' must be a finite number"),
+    ("stages.0.lr=0", "stages.0.lr=0.0 must be > 0"),
+    ("logging.log_every=0", "logging.log_every=0 must be >= 1"),
+    ("optim.betas=[0.9, 1.5]", "optim.betas.1=1.5 must be in [0, 1)"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2.0 must be >= 0 and <= 1"),
+    ("stages.0.name=../../x", "stages.0.name='../../x' is not a plain name"),
+    ("stages.0.name=/abs", "stages.0.name='/abs' is not a plain name"),
+    ("stages.1.bucket=..", "stages.1.bucket='..' is not a plain name"),
+])
+def test_values_out_of_range_are_refused_by_every_command(tmp_path, capsys, override, message):
+    """`config`, `train` and `plan` refuse alike, and `train` before the run directory exists."""
+    from conftest import run_cli
+
+    for cmd in ("config", "train", "plan"):
+        code, _, err = run_cli(capsys, cmd, "recipe=tiny", override, f"run_dir={tmp_path / 'run'}")
+        assert code == 2 and message in err, (cmd, err)
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- run directories
+
+
+def test_run_dir_that_is_someone_elses_folder_is_left_alone(tmp_path, capsys):
+    from conftest import run_cli, snapshot
+
+    theirs = tmp_path / "results"
+    (theirs / "plots").mkdir(parents=True)
+    (theirs / "report.md").write_text("my paper's numbers\n")
+    (theirs / "plots" / "fig1.png").write_bytes(b"\x89PNG")
+    before = snapshot(theirs)
+    code, _, err = run_cli(capsys, "train", "recipe=tiny", f"run_dir={theirs}")
+    assert code == 2 and f"run_dir={theirs} exists and is not a longsft run directory (it holds plots, report.md)" in err
+    assert snapshot(theirs) == before
+    (tmp_path / "file").write_text("x")
+    code, _, err = run_cli(capsys, "train", "recipe=tiny", f"run_dir={tmp_path / 'file'}")
+    assert code == 2 and "is a file, not a folder" in err
+
+
+def _fake_run(run_dir, cfg_overrides=(), trained=False):
+    """A run directory as a run leaves it: config.yaml, state.json (and a best model if ``trained``)."""
+    from longsft.train.config import dump_yaml
+
+    run_dir.mkdir(parents=True)
+    cfg = load_config("tiny", [f"run_dir={run_dir}", *cfg_overrides])
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    stages = {s.name: {"status": "failed" if i == 0 else "pending", "steps_done": 0} for i, s in enumerate(cfg.stages)}
+    if trained:
+        first = cfg.stages[0].name
+        stages[first] = {"status": "done", "steps_done": 4, "total_steps": 4,
+                         "best": {"path": str(run_dir / "stages" / first / "best"), "step": 4,
+                                  "balanced_accuracy": 0.5, "mcc": 0.0}}
+        (run_dir / "stages" / first / "best").mkdir(parents=True)
+    (run_dir / "state.json").write_text(json.dumps({"recipe": "tiny", "stages": stages}))
+    (run_dir / "report.md").write_text("the run's own report\n")
+    return cfg
+
+
+def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path):
+    from longsft.train.curriculum import check_resolved_config
+
+    _fake_run(tmp_path / "run", ["optim.lr=1e-3"])
+    assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'run'}", "optim.lr=1e-4"])) is True
+    _fake_run(tmp_path / "trained", ["optim.lr=1e-3"], trained=True)
+    with pytest.raises(ConfigError, match=r"has trained with a different config \(optim.lr: 0.001 -> 0.0001\)\. To "
+                                          r"resume it, rerun with its config \(`longsft train recipe=.*config.yaml`\)"):
+        check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-4"]))
+    assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
+
+
+def test_report_of_a_run_keeps_the_runs_own_report(tmp_path, capsys):
+    from conftest import run_cli, snapshot
+
+    run = tmp_path / "run"
+    _fake_run(run, trained=True)
+    before = snapshot(run)
+    code, out, _ = run_cli(capsys, "report", run, "--bootstrap", "0")
+    assert code == 0 and "| run | tiny |" in out
+    assert snapshot(run) == before
+    code, _, err = run_cli(capsys, "report", run, "--out", run)
+    assert code == 2 and "is a run directory: its report.md is the run's own" in err
+    code, _, err = run_cli(capsys, "report", run, "--bootstrap", "-5")
+    assert code == 2 and "--bootstrap -5: replicates must be >= 0" in err
+    assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("cmd", ["status", "report"])
+@pytest.mark.parametrize("content, message", [("{\"recipe\": \"tiny\", \"stag", "state.json:1: malformed JSON"),
+                                              ("[1, 2]", "state.json: not a longsft state file"),
+                                              ("", "state.json: empty state file")])
+def test_cut_off_state_file(tmp_path, capsys, cmd, content, message):
+    from conftest import run_cli, snapshot
+
+    (tmp_path / "state.json").write_text(content)
+    before = snapshot(tmp_path)
+    code, _, err = run_cli(capsys, cmd, tmp_path)
+    assert code == 2 and message in err, err
+    assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------- plan, sweep
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"model_type": "qwen3", "vocab', "config.json:1: malformed JSON"),
+    ('{"model_type": "qwenn3", "vocab_size": 8}', "model_type 'qwenn3' is not one this transformers knows "
+                                                  "(did you mean 'qwen3'?)"),
+    ('{"model_type": "qwen3"}', "config.json: no vocab_size, hidden_size, num_hidden_layers, num_attention_heads"),
+    ('{"model_type": "qwen3", "vocab_size": 100, "hidden_size": -64, "num_hidden_layers": 2, '
+     '"num_attention_heads": 4}', "config.json: hidden_size=-64 must be a positive integer"),
+])
+def test_plan_of_a_broken_model_config(tmp_path, capsys, config, message):
+    from conftest import run_cli
+
+    (tmp_path / "config.json").write_text(config)
+    code, _, err = run_cli(capsys, "plan", "recipe=tiny", f"model.path={tmp_path}", "model.config=null")
+    assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus-per-node", "0"], "--gpus-per-node 0: must be >= 1"),
+    (["--nodes", "-1"], "--nodes -1: must be >= 1"),
+    (["--gpu-gib", "-3"], "--gpu-gib -3.0: must be a positive number of GiB"),
+    (["--fragmentation", "1"], "--fragmentation 1.0: must be in [0, 1)"),
+    (["--targets", "0"], "--targets 0: loss tokens per sequence must be >= 1"),
+    (["--json", "{tmp}/no/such/x.json"], "x.json: folder {tmp}/no/such does not exist"),
+    (["--json", "{tmp}"], "{tmp}: is a directory; give a file name"),
+])
+def test_plan_flags_out_of_range(tmp_path, capsys, flags, message):
+    from conftest import run_cli
+
+    code, _, err = run_cli(capsys, "plan", "recipe=tiny", *[f.format(tmp=tmp_path) for f in flags])
+    assert code == 2 and message.format(tmp=tmp_path) in err, err
+
+
+def test_binary_sweep_file(tmp_path, capsys):
+    from conftest import run_cli
+
+    (tmp_path / "t.sweep").write_bytes(b"a optim.lr=1e-5\n\x89PNG\xff\n")
+    code, _, err = run_cli(capsys, "sweep", tmp_path / "t.sweep")
+    assert code == 2 and "t.sweep:2: not UTF-8 text" in err, err

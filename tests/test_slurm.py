@@ -218,4 +218,28 @@ def test_stop_request_by_signal_or_file(tmp_path):
     other = StopWatch(tmp_path, is_main=False)  # only rank 0 reads the file
     (tmp_path / STOP_FILE).touch()
     assert not other.requested()
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    other.close(), watch.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's Ctrl-C is back
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_and_sigterm_are_stop_requests(tmp_path, capsys, sig):
+    """The first Ctrl-C (or SIGTERM) asks for a checkpoint; torchrun's echo of it is ignored; a later one quits."""
+    import os
+    import signal
+
+    from longsft.train.preempt import StopWatch
+
+    watch = StopWatch(tmp_path, is_main=True)
+    try:
+        os.kill(os.getpid(), getattr(signal, sig))
+        assert watch.requested()
+        if sig == "SIGINT":
+            assert "saving a checkpoint at the end of this step" in capsys.readouterr().err
+            os.kill(os.getpid(), signal.SIGINT)  # within the grace window: torchrun forwarding the same Ctrl-C
+            watch.GRACE_S = 0.0
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        watch.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -36,7 +36,7 @@ import warnings
 from pathlib import Path
 
 from .config import ConfigError, RunConfig, dump_yaml, load_config, validate
-from .io import DataError
+from .io import DataError, check_output_file
 
 DEFAULT_RECIPE = "tiny"
 
@@ -194,6 +194,13 @@ def _plan(argv: list[str]) -> int:
     cfg = parse_run_args(rest)
     hw = plan.Hardware(args.gpus_per_node, args.nodes, args.gpu_gib, args.host_gib, args.reserve_gib,
                        fragmentation=args.fragmentation)
+    hw.check()
+    if args.targets is not None and args.targets < 1:
+        raise ConfigError(f"--targets {args.targets}: loss tokens per sequence must be >= 1")
+    if args.json:
+        check_output_file(args.json)
+    print(f"longsft plan: tracing {len(cfg.stages)} stage(s) on the meta device (no memory, a few seconds each)",
+          file=sys.stderr, flush=True)
     shape, rows = plan.plan(cfg, hw, args.targets)
     print(plan.table(cfg, hw, shape, rows))
     for stage, est in zip(cfg.stages, rows):
@@ -233,7 +240,11 @@ def _report(argv: list[str]) -> int:
 
     from .report import aggregate
 
-    out = args.out or (args.dirs[0] if len(args.dirs) == 1 else None)
+    if args.bootstrap < 0:
+        raise ConfigError(f"--bootstrap {args.bootstrap}: replicates must be >= 0 (0: no intervals)")
+    # The only DIR given is where its aggregate goes, unless it is a run (its report.md is its own).
+    only = args.dirs[0] if len(args.dirs) == 1 and not (Path(args.dirs[0]) / "state.json").exists() else None
+    out = args.out or only
     if args.compare:
         print(compare(Path(args.compare[0]), Path(args.compare[1]), args.bootstrap or 2000))
         if not args.dirs:
@@ -303,6 +314,18 @@ def _submit(argv: list[str]) -> int:
     return 0
 
 
+def _os_message(e: BaseException) -> str | None:
+    """One line for an input/output error a user can fix, or None (a bug: keep the traceback)."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"an input file is not UTF-8 text ({e.reason} at byte {e.start}); is it a binary file?"
+    if isinstance(e, RecursionError):
+        return "an input is nested too deeply (JSON or YAML)"
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        target = f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename
+        return f"{target}: {e.strerror}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -347,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
             print(f"longsft: {e}", file=sys.stderr)
         return 2
+    except (OSError, UnicodeDecodeError, RecursionError) as e:
+        # The net under the specific checks: a file the user named that cannot be read or written.
+        message = _os_message(e)
+        if message is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"longsft: {message}", file=sys.stderr)
+        return 2
     except RuntimeError as e:
         from .preempt import EXIT_STOPPED, StopRequested
         from .trainer import SaveError, TrainingError
@@ -355,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if os.environ.get("RANK", "0") == "0" or isinstance(e, SaveError):  # a save fails on one rank only
             print(f"longsft: {e}", file=sys.stderr)
-        return EXIT_STOPPED if isinstance(e, StopRequested) else 3
+        if isinstance(e, StopRequested):  # under torchrun, 0: a stop is no failure ("longsft status" tells)
+            return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_STOPPED
+        return 3
     print(f"longsft: unknown command {cmd!r}\n{__doc__}", file=sys.stderr)
     return 2
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from .io import DataError, read_text, safe_name
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -202,6 +206,7 @@ def load_config(recipe: str, overrides: list[str] = ()) -> RunConfig:
     raw["recipe"] = raw.get("recipe") or path.stem
     for ov in overrides:
         key, value = parse_override(ov)
+        _check_acyclic(value, f"override {ov!r}")
         set_path(raw, key, value)
         where[key] = f"override {ov!r}"
     return build(RunConfig, raw, where=where)
@@ -211,21 +216,36 @@ def _load_recipe(path: Path, seen: tuple) -> tuple[dict, dict[str, str]]:
     """YAML mapping + {dotted key: 'file:line'}; ``base: NAME`` is loaded first and merged under."""
     if path in seen:
         raise ConfigError(f"{path}: circular base chain {[str(p) for p in seen]}")
-    text = path.read_text(encoding="utf-8")
     try:
+        text = read_text(path)
         raw = yaml.safe_load(text) or {}
         lines = _line_map(yaml.compose(text))
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    except (yaml.YAMLError, DataError) as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}" if isinstance(e, yaml.YAMLError) else str(e)) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply, or a YAML alias that refers to itself") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: a recipe must be a mapping of keys")
+    _check_acyclic(raw, str(path))
     where = {k: f"{path}:{v}" for k, v in lines.items()}
     base = raw.pop("base", None)
     if base is None:
         return raw, where
+    if not isinstance(base, str):
+        raise ConfigError(f"{where.get('base', path)}: base must be one recipe name or path, got {base!r}")
     base_raw, base_where = _load_recipe(recipe_path(base), seen + (path,))
     base_raw.pop("recipe", None)
     return _merge(base_raw, raw), {**base_where, **where}
+
+
+def _check_acyclic(raw: Any, where: str) -> None:
+    """YAML aliases can make a structure contain itself (``a: &x [*x]``): refuse it by name."""
+    try:
+        json.dumps(raw, default=str)
+    except ValueError:
+        raise ConfigError(f"{where}: a YAML alias refers to itself (a structure that contains itself)") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -354,11 +374,13 @@ def _convert(tp: Any, value: Any, key: str, where: dict[str, str]) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 5e-6 as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(_msg(key, where, f"{key!r} must be a number, got {value!r}"))
+        if not math.isfinite(value):
+            raise ConfigError(_msg(key, where, f"{key!r} must be a finite number, got {value!r}"))
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -419,10 +441,23 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"stages.{i}.name must be set")
         if not s.bucket:
             raise ConfigError(f"stages.{i}.bucket must be set")
+        safe_name(s.name, f"stages.{i}.name", ConfigError)  # each becomes a folder in the run directory
+        safe_name(s.bucket, f"stages.{i}.bucket", ConfigError)
         if s.seq_len < 64:
             raise ConfigError(f"stages.{i}.seq_len={s.seq_len} is too small (>= 64)")
         if s.epochs <= 0 and s.max_steps <= 0:
             raise ConfigError(f"stages.{i}: epochs or max_steps must be positive")
+        _bounds(s, f"stages.{i}.", epochs=(0, None), max_steps=(0, None), lr=(0, None, False),
+                every_steps=(0, None), save_every_steps=(0, None))
+    o = cfg.optim
+    _bounds(o, "optim.", lr=(0, None, False), weight_decay=(0, None), eps=(0, None, False), warmup_steps=(0, None),
+            min_lr_ratio=(0, 1), max_grad_norm=(0, None))
+    for j, beta in enumerate(o.betas):
+        if not 0 <= beta < 1:
+            raise ConfigError(f"optim.betas.{j}={beta} must be in [0, 1)")
+    _bounds(cfg.validation, "validation.", every_steps=(0, None), max_samples=(0, None), max_new_tokens=(1, None))
+    _bounds(cfg.logging, "logging.", log_every=(1, None))
+    _bounds(cfg.data, "data.", sample_size=(1, None))
     dup = {n for n in names if names.count(n) > 1}
     if dup:
         raise ConfigError(f"stage names must be unique, repeated: {sorted(dup)}")
@@ -448,6 +483,18 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("parallel.sp_backend=ring_flash_attn runs flash-attn kernels, which take bf16 (its fp32 "
                           "ring backward is wrong): set model.dtype=bf16, or parallel.sp_backend=torch for fp32")
     check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size, cfg.data.packing)
+
+
+def _bounds(obj: Any, prefix: str, **limits: tuple) -> None:
+    """``key=(low, high[, low_inclusive])``: each set value within [low, high] (None: unbounded)."""
+    for key, (low, high, *inclusive) in limits.items():
+        value = getattr(obj, key)
+        if value is None:
+            continue
+        closed = inclusive[0] if inclusive else True
+        if (low is not None and (value < low if closed else value <= low)) or (high is not None and value > high):
+            rng = f"{'>=' if closed else '>'} {low}" + (f" and <= {high}" if high is not None else "")
+            raise ConfigError(f"{prefix}{key}={value} must be {rng}")
 
 
 def to_dict(cfg: Any) -> Any:

@@ -7,22 +7,41 @@ an unfinished one continues from its last complete checkpoint.
 
 from __future__ import annotations
 
-import json
+import os
+import sys
 import time
+from typing import Any
 
 from . import comm, distributed
 from .config import ConfigError, RunConfig, dump_yaml, to_dict, validate
-from .io import atomic_write_json, atomic_write_text
+from .io import atomic_write_json, atomic_write_text, read_text
 from .model import build_tokenizer
 from .preempt import StopWatch
-from .report import write_report
+from .report import read_state, write_report
 from .tracker import Tracker
+
+
+RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """``run_dir`` is new, empty or a longsft run directory: never write into someone else's folder."""
+    path = cfg.run_path
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir={path} is a file, not a folder")
+    if not path.is_dir() or any((path / m).exists() for m in RUN_MARKERS):
+        return
+    present = sorted(p.name for p in path.iterdir() if p.name != ".lock")
+    if present:
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise ConfigError(f"run_dir={path} exists and is not a longsft run directory (it holds {shown}); "
+                          "give a new or empty folder")
 
 
 def load_state(cfg: RunConfig) -> dict:
     path = cfg.run_path / "state.json"
     if path.exists():
-        state = json.loads(path.read_text())
+        state = read_state(cfg.run_path)
         names = [s.name for s in cfg.stages]
         if list(state["stages"]) != names:
             raise ConfigError(f"{path}: this run directory holds stages {list(state['stages'])}, the recipe has "
@@ -32,19 +51,53 @@ def load_state(cfg: RunConfig) -> dict:
             "stages": {s.name: {"status": "pending", "steps_done": 0} for s in cfg.stages}}
 
 
-def check_resolved_config(cfg: RunConfig) -> None:
-    """A resumed run must use the same resolved config (except logging). Every rank checks."""
-    path = cfg.run_path / "config.yaml"
-    if path.exists():
-        import yaml
+def check_resolved_config(cfg: RunConfig) -> bool:
+    """A resumed run must use the same resolved config (except logging). Every rank checks.
 
-        old = yaml.safe_load(path.read_text())
-        now = to_dict(cfg)
-        old.pop("logging", None), now.pop("logging", None)
-        if old != now:
-            diff = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
-            raise ConfigError(f"{path}: the run directory was created with a different config (differs in "
-                              f"{diff}); use a new run_dir or the same recipe and overrides")
+    Returns True when the run directory's config is to be replaced: it differs, but no optimizer
+    step was ever completed there (a run that failed at the start takes the corrected config).
+    """
+    import yaml
+
+    path = cfg.run_path / "config.yaml"
+    if not path.exists():
+        return False
+    try:
+        old = yaml.safe_load(read_text(path))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({e}); it records the run's config") from None
+    if not isinstance(old, dict):
+        raise ConfigError(f"{path}: not a longsft run config")
+    now = to_dict(cfg)
+    old.pop("logging", None), now.pop("logging", None)
+    if old == now:
+        return False
+    diff = _diff(old, now)
+    if not _trained(cfg):
+        return True
+    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff[:6]) + ("; ..." if len(diff) > 6 else "")
+    raise ConfigError(f"{path}: this run directory has trained with a different config ({shown}). To resume it, "
+                      f"rerun with its config (`longsft train recipe={path}`); to train the new config, give a "
+                      "new run_dir")
+
+
+def _diff(old: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Leaf keys whose values differ: [(dotted key, old, new)]."""
+    if isinstance(old, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(old) | set(now), key=str)
+                for d in _diff(old.get(k), now.get(k), f"{prefix}{k}.")]
+    return [] if old == now else [(prefix.rstrip("."), old, now)]
+
+
+def _trained(cfg: RunConfig) -> bool:
+    """Did any optimizer step complete in this run directory (a checkpoint, a best model or counted steps)?"""
+    run_dir = cfg.run_path
+    if any(run_dir.glob("stages/*/ckpt/step_*")) or any(run_dir.glob("stages/*/best")):
+        return True
+    path = run_dir / "state.json"
+    if not path.exists():
+        return False
+    return any(e.get("steps_done", 0) or e.get("best") for e in read_state(run_dir)["stages"].values())
 
 
 def prepare_data(cfg: RunConfig, tokenizer) -> None:
@@ -131,12 +184,13 @@ def check_data(cfg: RunConfig) -> None:
 def run(cfg: RunConfig) -> dict:
     """Run (or resume) the whole curriculum; returns the final state."""
     validate(cfg)
+    check_run_dir(cfg)
     check_model(cfg)
     d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
     if cfg.data.source == "files":
         check_data(cfg)  # every rank, before the run directory is touched: bad data fails everywhere
     run_dir = cfg.run_path
-    check_resolved_config(cfg)  # every rank, so a mismatch fails everywhere instead of hanging a barrier
+    replace_config = check_resolved_config(cfg)  # every rank: a mismatch fails everywhere, not at a barrier
     d.barrier()
     lock = None
     if d.is_main:
@@ -146,6 +200,11 @@ def run(cfg: RunConfig) -> dict:
     if holder is not None:
         raise ConfigError(f"{run_dir} is in use by another job ({holder}); wait for it or use another run_dir")
     if d.is_main:
+        if replace_config:  # the old config never completed a step: keep it beside, train the new one
+            os.replace(run_dir / "config.yaml", run_dir / "config.yaml.untrained")
+            (run_dir / "state.json").unlink(missing_ok=True)
+            print(f"longsft: {run_dir} never completed a step with its config; training the new config "
+                  "(the old one is in config.yaml.untrained)", file=sys.stderr, flush=True)
         if not (run_dir / "config.yaml").exists():
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
     d.barrier()
@@ -170,16 +229,19 @@ def run(cfg: RunConfig) -> dict:
     stop = StopWatch(run_dir, d.is_main)
     init_from = None
     t0 = time.time()
-    for i, stage in enumerate(cfg.stages):
-        entry = state["stages"][stage.name]
-        if entry["status"] == "done":  # "failed" and "running" stages resume from their last checkpoint
-            tracker.write(f"stage {stage.name}: done, skipping (best: {entry.get('best', {}).get('path')})")
-        else:
-            entry["init_from"] = init_from
-            StageTrainer(cfg, i, d, tokenizer, tracker, entry, save, init_from, stop).run()
-            if d.is_main:
-                write_report(run_dir, state)
-        init_from = entry["best"]["path"]
+    try:
+        for i, stage in enumerate(cfg.stages):
+            entry = state["stages"][stage.name]
+            if entry["status"] == "done":  # "failed" and "running" stages resume from their last checkpoint
+                tracker.write(f"stage {stage.name}: done, skipping (best: {entry.get('best', {}).get('path')})")
+            else:
+                entry["init_from"] = init_from
+                StageTrainer(cfg, i, d, tokenizer, tracker, entry, save, init_from, stop).run()
+                if d.is_main:
+                    write_report(run_dir, state)
+            init_from = entry["best"]["path"]
+    finally:
+        stop.close()
     state["seconds_this_run"] = time.time() - t0
     save()
     if d.is_main:

@@ -14,26 +14,101 @@ class DataError(ValueError):
     """Bad input data; the message names the file and line."""
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield (line_number, record) for each non-blank line; malformed lines raise DataError."""
+def check_input_file(path: str | Path) -> Path:
+    """``path`` as a readable regular file, else DataError naming it (before anything is written)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: not readable (permission denied)")
+    return path
+
+
+def check_output_file(path: str | Path) -> Path:
+    """``path`` can be written as a file: its folder exists and it is not itself a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise DataError(f"{path}: folder {path.parent} does not exist")
+    return path
+
+
+def safe_name(name: Any, what: str, error: type[ValueError] = DataError) -> str:
+    """A name that becomes one path component (a bucket, stage or run name) stays inside its folder."""
+    text = str(name)
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text or text.startswith("."):
+        raise error(f"{what}={text!r} is not a plain name: it becomes a folder name, so no '/', '\\' "
+                    f"or leading '.'")
+    return text
+
+
+def _loads(text: str, where: str, document: bool = False) -> Any:
+    """``json.loads`` with DataErrors naming ``where`` (plus the line, for a whole ``document``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{where}:{e.lineno}" if document else where
+        raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file, with errors that name it (missing, a folder, binary)."""
+    path = check_input_file(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); is it a binary file?") from None
+
+
+def read_json(path: str | Path, what: str = "JSON file") -> Any:
+    """One JSON document; a cut-off or binary file is a DataError naming it."""
+    path = Path(path)
+    text = read_text(path)
+    if not text.strip():
+        raise DataError(f"{path}: empty {what}")
+    return _loads(text, str(path), document=True)
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield (line_number, record) for each non-blank line; malformed lines raise DataError."""
+    path = check_input_file(path)
     with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; is it a binary file?") from None
+            if not line:
+                return
+            lineno += 1
             if not line.strip():
                 continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
+            rec = _loads(line, f"{path}:{lineno}")
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             yield lineno, rec
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    return [rec for _, rec in iter_jsonl(path)]
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()
+
+
+def share_mode(path: str | Path) -> None:
+    """Give a file made by mkstemp/mkdtemp (0600/0700) the user's usual mode (umask), as open() would."""
+    path = Path(path)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~UMASK)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -42,6 +117,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        share_mode(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()

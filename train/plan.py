@@ -48,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .config import RECIPE_DIR, ConfigError, ModelConfig, RunConfig, StageConfig
+from .io import read_json
 
 GIB = 2**30
 MODEL_DIR = RECIPE_DIR / "models"  # config.json of each shipped recipe's model, named after model.path
@@ -69,6 +70,19 @@ class Hardware:
     @property
     def world(self) -> int:
         return self.gpus_per_node * self.nodes
+
+    def check(self) -> None:
+        """Each value in range; the message names its command-line flag."""
+        for flag, value, low in (("--gpus-per-node", self.gpus_per_node, 1), ("--nodes", self.nodes, 1)):
+            if value < low:
+                raise ConfigError(f"{flag} {value}: must be >= {low} (the planner sizes GPU memory)")
+        for flag, value in (("--gpu-gib", self.gpu_gib), ("--host-gib", self.host_gib)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag} {value}: must be a positive number of GiB")
+        if not (math.isfinite(self.reserve_gib) and self.reserve_gib >= 0):
+            raise ConfigError(f"--reserve-gib {self.reserve_gib}: must be >= 0")
+        if not 0 <= self.fragmentation < 1:
+            raise ConfigError(f"--fragmentation {self.fragmentation}: must be in [0, 1)")
 
 
 @dataclass
@@ -150,22 +164,52 @@ def model_config_source(cfg: RunConfig) -> str:
 
 def hf_config(cfg: RunConfig):
     """The HF config the run would train (rope scaling applied), without any weights."""
-    from transformers import AutoConfig
-
     from .model import build_hf_config
 
     source = model_config_source(cfg)
     if source == "recipe":
-        return build_hf_config(cfg.model)
-    raw = json.loads(Path(source).read_text())
+        try:
+            return build_hf_config(cfg.model)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.config / model.path={cfg.model.path}: cannot build the model's config ({e})") \
+                from None
+    raw = read_json(source, "model config")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object (an HF config.json)")
     model_type = raw.pop("model_type", None)
     if model_type is None:
         raise ConfigError(f"{source}: no model_type")
     for key in ("architectures", "transformers_version", "torch_dtype", "dtype", "auto_map"):
         raw.pop(key, None)
+    check_model_sizes(raw, str(model_type), source)
     inline = dataclasses.replace(cfg.model, path=None, config={"model_type": model_type, **raw})
-    AutoConfig.for_model(model_type)  # unknown model types fail here with transformers' own message
     return build_hf_config(inline)
+
+
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_model_sizes(raw: dict, model_type: str, source: str) -> None:
+    """A config to plan must name its model type and sizes: transformers' defaults are some other model."""
+    from transformers import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        import difflib
+
+        close = difflib.get_close_matches(model_type, list(CONFIG_MAPPING.keys()), n=1)
+        raise ConfigError(f"{source}: model_type {model_type!r} is not one this transformers knows"
+                          + (f" (did you mean {close[0]!r}?)" if close else ""))
+    aliases = {v: k for k, v in CONFIG_MAPPING[model_type].attribute_map.items()}
+    missing = [k for k in SIZE_KEYS if k not in raw and aliases.get(k) not in raw]
+    if missing:
+        raise ConfigError(f"{source}: no {', '.join(missing)}: the planner will not guess a model's size "
+                          "(transformers' defaults describe another model)")
+    for key in SIZE_KEYS + ("intermediate_size", "num_key_value_heads", "head_dim"):
+        value = raw.get(key, raw.get(aliases.get(key, ""), 1))
+        if value is None and key in ("num_key_value_heads", "head_dim"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{source}: {key}={value!r} must be a positive integer")
 
 
 class _SavedLikeFlash(torch.autograd.Function):

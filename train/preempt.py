@@ -9,6 +9,8 @@ rank saves the same step.
 from __future__ import annotations
 
 import signal
+import sys
+import time
 from pathlib import Path
 
 from . import comm
@@ -22,18 +24,46 @@ class StopRequested(RuntimeError):
 
 
 class StopWatch:
-    """Watches for a stop request; :meth:`requested` is collective (call it on every rank)."""
+    """Watches for a stop request; :meth:`requested` is collective (call it on every rank).
+
+    Ctrl-C (SIGINT) and SIGTERM are stop requests too: the run checkpoints at the end of the
+    current step and exits with one line. A second Ctrl-C more than ``GRACE_S`` after the first
+    quits at once (torchrun forwards the terminal's Ctrl-C a second time within that window).
+    """
+
+    GRACE_S = 2.0
 
     def __init__(self, run_dir: Path, is_main: bool):
         self.path, self.is_main = Path(run_dir) / STOP_FILE, is_main
         self._signalled = False
-        try:
-            signal.signal(signal.SIGUSR1, self._on_signal)
-        except ValueError:  # not the main thread (e.g. inside a test harness): the file still works
-            pass
+        self._interrupted_at: float | None = None
+        self._previous = {}
+        for sig, handler in ((signal.SIGUSR1, self._on_signal), (signal.SIGTERM, self._on_signal),
+                             (signal.SIGINT, self._on_interrupt)):
+            try:
+                self._previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread (e.g. inside a test harness): the file still works
+                pass
+
+    def close(self) -> None:
+        """Give the signals back to whoever had them."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
 
     def _on_signal(self, signum, frame) -> None:
         self._signalled = True
+
+    def _on_interrupt(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self._interrupted_at is None:
+            self._interrupted_at, self._signalled = now, True
+            if self.is_main:
+                print("\nlongsft: interrupted: saving a checkpoint at the end of this step (Ctrl-C again to quit "
+                      "without saving)", file=sys.stderr, flush=True)
+        elif now - self._interrupted_at > self.GRACE_S:
+            self.close()
+            raise KeyboardInterrupt
 
     def requested(self) -> bool:
         local = self._signalled or (self.is_main and self.path.exists())

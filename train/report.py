@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .io import atomic_write_text
+from .io import DataError, atomic_write_text, read_json
 from .tracker import read_metrics
 
 
@@ -92,14 +92,18 @@ def _plots(run_dir: Path, records: list[dict], stages: list[str]) -> list[Path]:
 
 
 def read_state(run_dir: str | Path) -> dict:
+    """``run_dir/state.json``, checked enough to be used: a cut-off or foreign file is a DataError."""
     path = Path(run_dir) / "state.json"
     if not path.exists():
         from .config import ConfigError
 
         raise ConfigError(f"{run_dir}: not a run directory (no state.json)")
-    import json
-
-    return json.loads(path.read_text())
+    state = read_json(path, "state file")
+    stages = state.get("stages") if isinstance(state, dict) else None
+    if not isinstance(stages, dict) or not all(isinstance(v, dict) and "status" in v for v in stages.values()):
+        raise DataError(f"{path}: not a longsft state file (no 'stages' mapping of stage entries)")
+    state.setdefault("recipe", "?")
+    return state
 
 
 def status_table(state: dict) -> str:
@@ -158,6 +162,18 @@ def summarize_run(run_dir: Path, bootstrap: int = 0) -> dict:
 
 def aggregate(dirs: list[str | Path], out: str | Path | None = None, bootstrap: int = 2000) -> str:
     """Markdown table of many runs (e.g. a sweep's tasks); also written to ``out``/report.{md,json}."""
+    if bootstrap < 0:
+        from .config import ConfigError
+
+        raise ConfigError(f"--bootstrap {bootstrap}: replicates must be >= 0 (0: no intervals)")
+    if out is not None and (Path(out) / "state.json").exists():
+        from .config import ConfigError
+
+        raise ConfigError(f"--out {out} is a run directory: its report.md is the run's own; give another folder")
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        from .config import ConfigError
+
+        raise ConfigError(f"--out {out} is a file; give a folder")
     rows = [summarize_run(r, bootstrap) for r in find_runs(dirs)]
 
     def cell(r: dict, key: str) -> str:

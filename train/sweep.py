@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ConfigError
+from .io import DataError, read_text
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -36,9 +37,9 @@ def load_sweep(path: str | Path) -> list[SweepTask]:
     """Parse and check the syntax of every line; errors name ``path:line``."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"sweep file {path}: {e.strerror}") from None
+        text = read_text(path)
+    except DataError as e:
+        raise ConfigError(f"sweep file {e}") from None
     tasks: list[SweepTask] = []
     seen: dict[str, int] = {}
     for lineno, raw in enumerate(text.splitlines(), 1):
