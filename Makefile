@@ -15,15 +15,19 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 install: $(VENV)/.installed
 
+# Quiet: pip's and setuptools' output goes to $(VENV)/install.log (shown if the install fails).
 $(VENV)/.installed: pyproject.toml
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
-	touch $@
+	@echo "longsft: installing torch and the dependencies into $(VENV) (a few minutes; log: $(VENV)/install.log)"
+	@python3 -m venv $(VENV)
+	@{ $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q "$(TORCH_SPEC)" && \
+	   $(PY) -m pip install -q -e ".[test]"; } > $(VENV)/install.log 2>&1 || \
+	   { tail -n 30 $(VENV)/install.log; echo "longsft: install failed; see $(VENV)/install.log"; exit 1; }
+	@touch $@
+	@echo "longsft: installed. The command is $(VENV)/bin/longsft (or: source $(VENV)/bin/activate)"
 
+# Ctrl-C checkpoints at the end of the step: torchrun waits this long for the ranks to save.
 demo: install
-	$(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/curriculum.py recipe=tiny parallel.sp_size=$(NPROC) $(ARGS)
+	TORCH_ELASTIC_SHUTDOWN_TIMEOUT=600 $(VENV)/bin/torchrun --nproc_per_node=$(NPROC) launch/curriculum.py recipe=tiny parallel.sp_size=$(NPROC) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

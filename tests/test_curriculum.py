@@ -212,6 +212,12 @@ def test_non_finite_loss_stops_the_stage_with_a_message(tmp_path, tiny_model_dir
     assert r.stderr.count("loss is nan") == 1
     state = _state(run_dir)["stages"]["a"]
     assert state["status"] == "failed" and state["error"] == "loss nan at step 1"
+    # No step completed: the same run directory takes the corrected config (the model), keeping the old one beside.
+    r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", f"model.path={tiny_model_dir('qwen3')}",
+                  "model.config=null", "parallel.sp_size=1", *TEST_OVERRIDES[:-1],
+                  "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 3, validate: false}]"])
+    assert "never completed a step with its config; training the new config" in r.stderr
+    assert _state(run_dir)["stages"]["a"]["status"] == "done" and (run_dir / "config.yaml.untrained").exists()
 
 
 @pytest.mark.slow
@@ -280,3 +286,24 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(tmp_path, small_di
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
     assert f"resumed from {kept} at step 2" in r.stdout
     assert_same_run(ref_dir, run_dir, "a")
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(tmp_path):
+    """Ctrl-C: the step in flight finishes, a checkpoint is saved, one line says how to resume (no traceback)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, LAUNCH, "recipe=tiny", f"run_dir={run_dir}", "parallel.sp_size=1", *TEST_OVERRIDES[:-1],
+           "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 200, validate: false}]"]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    deadline = time.time() + 300
+    while not (run_dir / "metrics.jsonl").exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 75, err[-3000:]
+    assert "Traceback" not in err and "interrupted: saving a checkpoint at the end of this step" in err
+    assert "stage a: stopped on request at step" in err and "Run the same command to resume" in err
+    state = _state(run_dir)["stages"]["a"]
+    assert state["status"] == "stopped" and 0 < state["steps_done"] < 200
+    assert [t.name for t in complete_tags(run_dir / "stages" / "a" / "ckpt")] == [f"step_{state['steps_done']:07d}"]

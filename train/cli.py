@@ -24,7 +24,8 @@
     longsft data ablation SAMPLES.jsonl ... --out DIR [--sizes 1000,2000,all]
 
 Exit status: 0 done, 1 unfinished (status) or does not fit (plan), 2 bad input, 3 training failed (e.g. NaN loss),
-75 stopped on request with a checkpoint (rerun the same command to resume).
+75 stopped on request (STOP file, SIGUSR1, SIGTERM, Ctrl-C) with a checkpoint: rerun the same command to resume
+(0 under torchrun, which would report 75 as a failure; `longsft status` tells).
 """
 
 from __future__ import annotations
@@ -107,18 +108,26 @@ def _data(argv: list[str]) -> int:
     from .model import qwen_tokenizer
 
     if args.cmd == "extend":
-        from transformers import AutoTokenizer
-
         from .extend import build, format_stats, parse_buckets
+        from .io import check_input_file
 
         buckets = parse_buckets(args.buckets)
-        tok = qwen_tokenizer() if args.tokenizer == "qwen" else AutoTokenizer.from_pretrained(args.tokenizer)
+        check_input_file(args.units)
+        if args.tokenizer == "qwen":
+            tok = qwen_tokenizer()
+        else:
+            from transformers import AutoTokenizer
+
+            try:
+                tok = AutoTokenizer.from_pretrained(args.tokenizer)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load it ({str(e).splitlines()[0]})") from None
         print(format_stats(build(args.units, args.out, buckets, tok, args.resume)))
         return 0
     from .sample_data import write_sample_data
 
-    paths = write_sample_data(args.out, qwen_tokenizer(), args.buckets.split(","), args.n, args.n_validation,
-                              args.seed)
+    paths = write_sample_data(args.out, qwen_tokenizer(), [b.strip() for b in args.buckets.split(",")], args.n,
+                              args.n_validation, args.seed)
     for bucket, p in paths.items():
         print(f"{bucket}: {p['train']}  {p['validation']}")
     return 0
@@ -128,7 +137,8 @@ def _synthesise(args) -> int:
     import json
     import random
 
-    from .llm import Cache, Endpoint
+    from .erhg import check_paths
+    from .llm import Cache, Endpoint, EndpointError
 
     def endpoint(spec: str) -> Endpoint:
         try:
@@ -136,23 +146,33 @@ def _synthesise(args) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    if args.cmd == "mma":
-        from .mma import run as run_mma
+    check_paths(args.input, args.out)  # before anything is asked or written (the answer cache included)
+    cache = args.out + ".cache.jsonl"
+    try:
+        if args.cmd == "mma":
+            from .mma import run as run_mma
 
-        if len(args.judge) != 2:
-            raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
-        stats = run_mma(args.input, args.out, [endpoint(g) for g in args.generator], [endpoint(j) for j in args.judge],
-                        endpoint(args.arbiter), args.max_gap)
-    else:
-        from .erhg import LLMEngine, RuleEngine, run as run_erhg
-
-        if args.engine == "llm":
-            if not args.endpoint:
-                raise ConfigError("--engine llm needs --endpoint MODEL@URL")
-            engine = LLMEngine(endpoint(args.endpoint), Cache(args.out + ".cache.jsonl"))
+            if len(args.judge) != 2:
+                raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
+            if args.max_gap < 0:
+                raise ConfigError(f"--max-gap {args.max_gap}: must be >= 0")
+            stats = run_mma(args.input, args.out, [endpoint(g) for g in args.generator],
+                            [endpoint(j) for j in args.judge], endpoint(args.arbiter), args.max_gap)
         else:
-            engine = RuleEngine(random.Random(args.seed))
-        stats = run_erhg(args.input, args.out, engine, args.multi, args.seed)
+            from .erhg import LLMEngine, RuleEngine, run as run_erhg
+
+            if not 0 <= args.multi <= 1:
+                raise ConfigError(f"--multi {args.multi}: a share, 0..1")
+            if args.engine == "llm":
+                if not args.endpoint:
+                    raise ConfigError("--engine llm needs --endpoint MODEL@URL")
+                engine = LLMEngine(endpoint(args.endpoint), Cache(cache))
+            else:
+                engine = RuleEngine(random.Random(args.seed))
+            stats = run_erhg(args.input, args.out, engine, args.multi, args.seed)
+    except EndpointError as e:
+        kept = f" (the answers so far are cached in {cache}: a rerun resumes)" if os.path.exists(cache) else ""
+        raise ConfigError(f"endpoint {e} Stopped, no output written{kept}.") from None
     print(json.dumps(stats, indent=2, ensure_ascii=False))
     return 0
 
