@@ -30,14 +30,29 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from longsft.train.config import ConfigError
         from longsft.train.model import build_hf_config, build_tokenizer
 
-        self.tok = build_tokenizer(model_cfg)
-        hf_cfg = build_hf_config(model_cfg)
-        hf_cfg.use_cache = True  # generation (build_hf_config is for training, without a KV cache)
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_cfg, dtype=torch_dtype,
-                                                          trust_remote_code=model_cfg.trust_remote_code)
+        try:
+            self.tok = build_tokenizer(model_cfg)
+        except ConfigError:
+            raise
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"tokenizer={model_cfg.tokenizer}: cannot be loaded ({type(e).__name__}: {e})") from None
+        try:
+            hf_cfg = build_hf_config(model_cfg)
+            # generation needs the KV cache, whatever the checkpoint says (build_hf_config is for training,
+            # and older exports wrote use_cache: false)
+            hf_cfg.use_cache = True
+            self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_cfg, dtype=torch_dtype,
+                                                              trust_remote_code=model_cfg.trust_remote_code)
+        except ConfigError:
+            raise
+        except (OSError, ValueError) as e:  # not a checkpoint, damaged weights, unknown architecture
+            raise ConfigError(f"model={model_cfg.path}: cannot be loaded ({type(e).__name__}: {e})") from None
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.use_cache = True
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
         self.max_new_tokens, self.enable_thinking = max_new_tokens, enable_thinking

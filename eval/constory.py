@@ -3,6 +3,7 @@
     longsft constory generate prompts=P.jsonl model=M [backend=...] out=DIR [target_words=8000]
     longsft constory check stories=S.jsonl judge=M [backend=openai base_url=...] out=DIR
     longsft constory metrics reports=DIR [prompts=P.jsonl]
+    longsft constory generate --help                 every key with its default
 
 The checker has four stages, all with one judge model (any ``longsft eval`` backend, including a
 longsft checkpoint): (1) category-guided extraction of contradiction-prone spans, one prompt per
@@ -22,6 +23,13 @@ any Latin words in between. CED = errors per 10,000 words per story, averaged pe
 per prompt, models ranked by Q = words / (1 + errors), best = 1, ties share the mean rank;
 averaged per model.
 
+Unjudged stories: a story the judge gave no valid answer for at some stage (after its re-asks), or
+an empty story, is reported ``"judged": false`` and left out of CED and GRR (never counted as
+consistent); ``check`` and ``metrics`` then exit 3 and name how many. The judge's valid answers are
+cached, so rerunning ``check`` asks again only what failed. Generated stories are cached by a hash
+of the whole request (model, backend, prompt text, generation settings): an edited prompt is
+generated anew.
+
 Defects of the reference implementation, fixed here: it counts subtypes-with-errors (we count
 errors: one per contradicting statement), splits Chinese on whitespace (we count characters), drops
 errors whose subtype key does not match its prompt table (one taxonomy table serves prompts and
@@ -31,13 +39,17 @@ search over the whole story (we locate quotes in the paragraph the judge cites).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+import sys
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from longsft.train.config import ConfigError, from_args
-from longsft.train.io import atomic_write_json, atomic_write_text, iter_jsonl, write_jsonl
+from longsft.train.io import DataError, atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
 
 from .judgement import extract_json_object
 
@@ -216,7 +228,7 @@ def check_story(story: str, judge: Judge, max_story_chars: int = 60_000) -> dict
     return {"words": count_words(story), "characters": len(story), "errors": errors, "n_errors": len(errors),
             "spans": [{"category": x.category, "subtype": x.subtype, "paragraph": x.paragraph, "text": x.quote,
                        "start": x.start, "end": x.end} for x in spans],
-            "judge_failures": list(judge.failures)}
+            "judge_failures": list(judge.failures), "judged": not judge.failures}
 
 
 def _windows(paras: list, max_chars: int) -> list[tuple[int, int]]:
@@ -242,11 +254,18 @@ def _context(story: str, s: Span, width: int = 200) -> str:
 # ------------------------------------------------------------------ metrics
 
 
+def judged(report: dict) -> bool:
+    """The judge answered every stage for this story (older reports: no judge failures)."""
+    return bool(report.get("judged", not report.get("judge_failures")))
+
+
 def metrics(reports: list[dict]) -> dict:
     """CED and GRR per model, errors per category / subtype / task type, error positions.
 
     ``reports``: dicts with ``id`` (prompt id), ``model_name``, ``task_type``, ``words``, ``n_errors``,
-    ``errors`` and ``characters``."""
+    ``errors`` and ``characters``. Unjudged stories (:func:`judged`) are counted in ``unjudged`` only."""
+    unjudged = Counter(r["model_name"] for r in reports if not judged(r))
+    reports = [r for r in reports if judged(r)]
     by_model: dict[str, list[dict]] = defaultdict(list)
     for r in reports:
         by_model[r["model_name"]].append(r)
@@ -267,8 +286,8 @@ def metrics(reports: list[dict]) -> dict:
             for m, rs in by_model.items()}
     positions = [e["quote"]["start"] / r["characters"] for r in reports for e in r["errors"] if r["characters"]]
     return {"ced": ced, "grr": grr, "errors": {m: sum(r["n_errors"] for r in rs) for m, rs in by_model.items()},
-            "stories": {m: len(rs) for m, rs in by_model.items()}, "by_category": cats, "by_subtype": subs,
-            "by_task_type": task, "positions": positions}
+            "stories": {m: len(rs) for m, rs in by_model.items()}, "unjudged": dict(unjudged),
+            "by_category": cats, "by_subtype": subs, "by_task_type": task, "positions": positions}
 
 
 def fractional_ranks(q: dict[str, float]) -> dict[str, float]:
@@ -286,13 +305,22 @@ def fractional_ranks(q: dict[str, float]) -> dict[str, float]:
 
 
 def metrics_tables(m: dict, out: Path | None = None) -> str:
-    models = sorted(m["ced"])
-    lines = ["| model | stories | errors | CED (errors / 10K words) | GRR (rank, 1 = best) |", "|---|---:|---:|---:|---:|"]
-    lines += [f"| {x} | {m['stories'][x]} | {m['errors'][x]} | {m['ced'][x]:.2f} | {m['grr'][x]:.2f} |" for x in models]
+    unjudged = m.get("unjudged", {})
+    models = sorted(set(m["ced"]) | set(unjudged))
+
+    def num(d: dict, x: str) -> str:
+        return f"{d[x]:.2f}" if x in d else "–"
+
+    lines = ["| model | stories | errors | CED (errors / 10K words) | GRR (rank, 1 = best) | unjudged |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {x} | {m['stories'].get(x, 0)} | {m['errors'].get(x, 0)} | {num(m['ced'], x)} | {num(m['grr'], x)} "
+              f"| {unjudged.get(x, 0)} |" for x in models]
+    judged_models = sorted(m["ced"])
     lines += ["", "| model | " + " | ".join(TAXONOMY) + " |", "|---|" + "---:|" * len(TAXONOMY)]
-    lines += [f"| {x} | " + " | ".join(str(m["by_category"][x].get(c, 0)) for c in TAXONOMY) + " |" for x in models]
+    lines += [f"| {x} | " + " | ".join(str(m["by_category"][x].get(c, 0)) for c in TAXONOMY) + " |"
+              for x in judged_models]
     lines += ["", "| model | " + " | ".join(TASK_TYPES) + " |", "|---|" + "---:|" * len(TASK_TYPES)]
-    lines += [f"| {x} | " + " | ".join(str(m["by_task_type"][x][t]) for t in TASK_TYPES) + " |" for x in models]
+    lines += [f"| {x} | " + " | ".join(str(m["by_task_type"][x][t]) for t in TASK_TYPES) + " |" for x in judged_models]
     text = "\n".join(lines)
     if out is not None:
         atomic_write_text(out / "constory_metrics.md", text + "\n")
@@ -325,15 +353,15 @@ class ConStoryConfig:
     reports: str = ""
     model: str = ""  # generate: the story writer
     judge: str = ""  # check: the judge model
-    backend: str = "hf"
-    base_url: str | None = None
-    tokenizer: str | None = None
-    recipe: str | None = None
-    out: str = "runs/constory"
-    target_words: int = 8000
+    backend: Literal["hf", "vllm", "openai"] = "hf"
+    base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
+    tokenizer: str | None = None  # default: the model path ("qwen": the Qwen3 vocabulary, offline)
+    recipe: str | None = None  # take tokenizer and rope scaling from this recipe's model section
+    out: str = "runs/constory"  # output folder
+    target_words: int = 8000  # generate: asked for in the prompt
     max_new_tokens: int = 16384
-    max_story_chars: int = 60_000
-    limit: int = 0
+    max_story_chars: int = 60_000  # check: longer stories are read in overlapping windows
+    limit: int = 0  # the first N inputs only (0: all)
     progress: bool = True
 
 
@@ -344,58 +372,138 @@ def _backend(cfg: ConStoryConfig, model: str):
                                    tokenizer=cfg.tokenizer, recipe=cfg.recipe, max_new_tokens=cfg.max_new_tokens))
 
 
-def _records(path: str, need: tuple[str, ...]) -> list[dict]:
+# per input: the fields it needs and their types (a story may be empty: it is reported unjudged)
+_FIELDS = {
+    "prompts": {"id": (str, int), "language": str, "task_type": str, "prompt": str},
+    "stories": {"id": (str, int), "model_name": str, "generated_story": str},
+    "reports": {"id": (str, int), "model_name": str, "words": int, "n_errors": int, "errors": list,
+                "characters": int},
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", list: "a list", (str, int): "a string or an integer"}
+
+
+def _records(path: str, kind: str, unique: tuple[str, ...] = ("id",)) -> list[dict]:
+    """The JSONL input ``kind``, every field typed; repeated ``unique`` keys name both lines."""
+    need = _FIELDS[kind]
     if not path:
-        raise ConfigError(f"give the input file ({'/'.join(need)} per line)")
-    recs = []
+        raise ConfigError(f"give {kind}=FILE (JSONL with {', '.join(need)} per line)")
+    recs, seen = [], {}
     for lineno, rec in iter_jsonl(path):
         missing = [k for k in need if k not in rec]
         if missing:
-            from longsft.train.io import DataError
-
             raise DataError(f"{path}:{lineno}: missing field(s) {missing}")
+        for k, tp in need.items():
+            if isinstance(rec[k], bool) or not isinstance(rec[k], tp):
+                hint = " (a failed generation? rerun `constory generate`)" if k == "generated_story" else ""
+                raise DataError(f"{path}:{lineno}: field {k!r} must be {_TYPE_NAMES[tp]}, got "
+                                f"{json.dumps(rec[k])[:40]}{hint}")
+        key = tuple(str(rec[k]) for k in unique)
+        if key in seen:
+            raise DataError(f"{path}:{lineno}: {'/'.join(unique)} {'/'.join(key)!r} repeats {path}:{seen[key]}")
+        seen[key] = lineno
         recs.append(rec)
+    if not recs:
+        raise DataError(f"{path}: no records")
     return recs
 
 
-def main(argv: list[str]) -> int:
-    from .harness import GenerationCache, _Lazy
+def generation_key(cfg: ConStoryConfig, ask: str) -> str:
+    """Cache key of one story: the whole request (an edited prompt or setting is a new story)."""
+    settings = {"model": cfg.model, "backend": cfg.backend, "recipe": cfg.recipe, "tokenizer": cfg.tokenizer,
+                "max_new_tokens": cfg.max_new_tokens, "temperature": 0}
+    return hashlib.sha256((json.dumps(settings, sort_keys=True) + "\0" + ask).encode()).hexdigest()
 
+
+def _check_stories_out(out: Path, model: str) -> None:
+    """``generate`` does not replace another model's stories.jsonl."""
+    path = out / "stories.jsonl"
+    if not path.is_file():
+        return
+    others = {str(r.get("model_name")) for _, r in iter_jsonl(path)} - {model}
+    if others:
+        raise ConfigError(f"out={out} holds stories of model={sorted(others)[0]!r} (stories.jsonl), this run is "
+                          f"model={model!r}: give each model its own out=, or delete {path}")
+
+
+def _help() -> str:
+    from .harness import config_help
+
+    return config_help(ConStoryConfig, __doc__.split("\n\n", 2)[1])
+
+
+def _unjudged(reports: list[dict]) -> int:
+    """0 when every story was judged, else 3 with a line saying how many were not."""
+    bad = [r for r in reports if not judged(r)]
+    if not bad:
+        return 0
+    print(f"longsft: {len(bad)} of {len(reports)} stories unjudged (the judge gave no valid answer, or the story is "
+          f"empty; e.g. id {bad[0]['id']!r}): not counted in CED/GRR. Rerun the same command to ask the judge again "
+          "(its valid answers are cached).", file=sys.stderr)
+    return 3
+
+
+def main(argv: list[str]) -> int:
+    from .harness import GenerationCache, OutputDir, _Lazy, check_model, wants_help
+
+    if wants_help(argv):
+        print(_help())
+        return 0
     if not argv or argv[0] not in ("generate", "check", "metrics"):
-        raise ConfigError("usage: longsft constory generate|check|metrics key=value ...")
+        raise ConfigError("usage: longsft constory generate|check|metrics key=value ... (--help: every key)")
     cmd, cfg = argv[0], from_args(ConStoryConfig, argv[1:], "stories=S.jsonl judge=MODEL")
+    if cfg.limit < 0:
+        raise ConfigError(f"limit={cfg.limit} must be >= 0")
+    if cfg.backend == "openai" and not cfg.base_url:
+        raise ConfigError("backend=openai needs base_url= (an OpenAI-compatible endpoint, e.g. http://host:8000/v1)")
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out}: is a file; give a folder")
     if cmd == "generate":
-        prompts = _records(cfg.prompts, ("id", "language", "task_type", "prompt"))[: cfg.limit or None]
-        cache = GenerationCache(out / "generations.jsonl")
-        backend = _Lazy(lambda: _backend(cfg, cfg.model))
-        stories = []
-        for p in prompts:
-            ask = f"{p['prompt']}\n\n(Write about {cfg.target_words} words.)"
-            key = f"{cfg.model}:{p['id']}"
-            if not cache.ok(key):
-                g = backend().generate(ask)
-                cache.add({"key": key, "id": p["id"], "prediction": g.text, "error": g.error})
-            stories.append({**p, "model_name": cfg.model, "generated_story": cache.done[key]["prediction"],
-                            "error": cache.done[key]["error"]})
-        write_jsonl(out / "stories.jsonl", stories)
+        prompts = _records(cfg.prompts, "prompts")[: cfg.limit or None]
+        if not cfg.model:
+            raise ConfigError("model= is required (the story writer)")
+        check_model(cfg.model, cfg.backend)
+        _check_stories_out(out, cfg.model)
+        with OutputDir(out) as made:
+            cache = made.cache = GenerationCache(out / "generations.jsonl")
+            backend = _Lazy(lambda: _backend(cfg, cfg.model))
+            stories = []
+            for p in prompts:
+                ask = f"{p['prompt']}\n\n(Write about {cfg.target_words} words.)"
+                key = generation_key(cfg, ask)
+                if not cache.ok(key):
+                    g = backend().generate(ask)
+                    cache.add({"key": key, "id": p["id"], "prediction": g.text, "error": g.error})
+                stories.append({**p, "model_name": cfg.model, "generated_story": cache.done[key]["prediction"],
+                                "error": cache.done[key]["error"]})
+            write_jsonl(out / "stories.jsonl", stories)
         print(f"{len(stories)} stories -> {out / 'stories.jsonl'}")
         return 0
     if cmd == "check":
-        stories = _records(cfg.stories, ("id", "model_name", "generated_story"))[: cfg.limit or None]
-        cache = GenerationCache(out / "judge_cache.jsonl")
-        backend = _Lazy(lambda: _backend(cfg, cfg.judge))
-        reports = []
-        for s in stories:
-            judge = Judge(backend, cache, f"{cfg.judge}:{cfg.backend}")
-            r = check_story(s["generated_story"], judge, cfg.max_story_chars)
-            reports.append({"id": s["id"], "model_name": s["model_name"], "task_type": s.get("task_type"),
-                            "language": s.get("language"), **r})
-        write_jsonl(out / "reports.jsonl", reports)
+        stories = _records(cfg.stories, "stories", ("id", "model_name"))[: cfg.limit or None]
+        if not cfg.judge:
+            raise ConfigError("judge= is required (the judge model)")
+        check_model(cfg.judge, cfg.backend, "judge")
+        with OutputDir(out) as made:
+            cache = made.cache = GenerationCache(out / "judge_cache.jsonl")
+            backend = _Lazy(lambda: _backend(cfg, cfg.judge))
+            reports = []
+            for s in stories:
+                judge = Judge(backend, cache, f"{cfg.judge}:{cfg.backend}")
+                if s["generated_story"].strip():
+                    r = check_story(s["generated_story"], judge, cfg.max_story_chars)
+                else:
+                    r = {"words": 0, "characters": len(s["generated_story"]), "errors": [], "n_errors": 0,
+                         "spans": [], "judge_failures": ["empty story"], "judged": False}
+                reports.append({"id": s["id"], "model_name": s["model_name"], "task_type": s.get("task_type"),
+                                "language": s.get("language"), **r})
+            write_jsonl(out / "reports.jsonl", reports)
+            print(metrics_tables(metrics(reports), out))
+        return _unjudged(reports)
+    if not cfg.reports:
+        raise ConfigError("give reports=DIR (a `constory check` output folder) or reports=FILE")
+    source = Path(cfg.reports) / "reports.jsonl" if Path(cfg.reports).is_dir() else Path(cfg.reports)
+    reports = _records(str(check_input_file(source)), "reports", ("id", "model_name"))
+    with OutputDir(out):
         print(metrics_tables(metrics(reports), out))
-        return 0
-    reports = _records(str(Path(cfg.reports) / "reports.jsonl") if Path(cfg.reports).is_dir() else cfg.reports,
-                       ("id", "model_name", "words", "n_errors", "errors", "characters"))
-    print(metrics_tables(metrics(reports), out))
-    return 0
+    return _unjudged(reports)

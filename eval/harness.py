@@ -3,7 +3,9 @@
     longsft eval model=runs/tiny/stages/s4k/best data=test.jsonl [backend=hf|vllm|openai]
                  [prompt=end|begin|cot] [repeats=3] [recipe=qwen3_32b] [out=DIR] ...
 
-Output folder (``out``, default ``runs/eval/<name>``):
+``longsft eval --help`` lists every key with its default. Output folder (``out``, default
+``runs/eval/<name>``; the default name is the model folder's, with its run and stage folders for a
+training checkpoint: ``runs/tiny/stages/s4k/best`` -> ``tiny-s4k-best-direct-end``):
 
 - ``generations.jsonl``: append-only, one record per generation keyed by a hash of (model,
   backend, prompt text, generation settings, repeat); a rerun skips every key already there, so
@@ -13,19 +15,29 @@ Output folder (``out``, default ``runs/eval/<name>``):
 - ``predictions_r<k>.jsonl`` (``longsft score`` format) and ``scores_r<k>.json`` per repeat;
 - ``eval.json``: the config, per-repeat metrics with 95% bootstrap CIs, their mean, token counts
   (and, for ``method=rag``, the segments, escalations and input-token saving; see ``eval/rag.py``).
+
+Checked before anything is written: the data, the model (a checkpoint folder with ``config.json``
+or a Hugging Face id), and the output folder: a folder holding another evaluation (another model,
+data, backend, method, prompt or generation setting in its ``config.json``) is refused, never
+resumed into or replaced; a rerun of the same evaluation resumes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import inspect
 import json
+import re
+import shutil
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from longsft.train.config import ConfigError, from_args, to_dict
-from longsft.train.io import atomic_write_json, read_log, write_jsonl
+from longsft.train.io import DataError, atomic_write_json, check_input_file, read_json, read_log, safe_name, write_jsonl
 
 from .metrics import Item, score_items
 
@@ -51,7 +63,7 @@ class EvalConfig:
     requests_per_minute: float = 0.0
     retries: int = 4  # openai: attempts after the first, with exponential backoff
     limit: int = 0  # evaluate the first N items only (0: all)
-    name: str = ""  # default: <model folder>-<method>-<prompt>
+    name: str = ""  # default: <model folder>-<method>-<prompt> (a checkpoint: <run>-<stage>-best-...)
     out: str = "runs/eval/{name}"
     invalid_policy: Literal["wrong", "hallucinated", "faithful"] = "wrong"
     bootstrap: int = 2000
@@ -60,14 +72,64 @@ class EvalConfig:
 
     @property
     def run_name(self) -> str:
-        return self.name or f"{Path(self.model.rstrip('/')).name or self.model}-{self.method}-{self.prompt}"
+        return self.name or f"{model_name(self.model, self.backend)}-{self.method}-{self.prompt}"
 
     @property
     def out_path(self) -> Path:
         return Path(self.out.format(name=self.run_name))
 
 
+# checkpoint folder names that say nothing about the model: the default name adds their parents
+GENERIC_LEAVES = re.compile(r"best|final|last|latest|model|hf|export|(global_)?step_?\d+|checkpoint-\d+")
+
+
+def model_name(model: str, backend: str = "hf") -> str:
+    """A plain folder name for ``model``: ``runs/tiny/stages/s4k/best`` -> ``tiny-s4k-best``."""
+    path = Path(model).expanduser()
+    if backend != "openai" and path.exists():
+        path = path.resolve()
+    parts = [p for p in path.parts if p not in (path.anchor, "stages", ".", "..")]
+    if not parts:
+        return "model"
+    keep = min(3, len(parts)) if GENERIC_LEAVES.fullmatch(parts[-1].lower()) else 1  # best -> tiny-s4k-best
+    name = "-".join(parts[-keep:]).lstrip(".")
+    return re.sub(r"[\\\s]", "_", name) or "model"
+
+
+def config_help(cls: type, usage: str) -> str:
+    """``usage`` plus every key of dataclass ``cls`` with its default and the comment beside it."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+    notes = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
+
+    def shown(v) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    hints, rows = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+        note = "; ".join(x for x in ("|".join(choices), notes.get(f.name, "")) if x)
+        rows.append((f"{f.name}={shown(default)}", note))
+    width = max(len(k) for k, _ in rows) + 2
+    return ("usage:\n" + usage.rstrip("\n") + "\n\nkeys (key=default):\n"
+            + "\n".join(f"  {k:<{width}}{n}".rstrip() for k, n in rows))
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help", "help") for a in argv)
+
+
+def eval_help() -> str:
+    return config_help(EvalConfig, __doc__.split("\n\n", 2)[1])
+
+
 def parse_eval_args(argv: list[str]) -> EvalConfig:
+    if wants_help(argv):  # from_args takes key=value only: answer --help here, as argparse does
+        print(eval_help())
+        raise SystemExit(0)
     cfg = from_args(EvalConfig, argv, "model=PATH data=test.jsonl")
     for key in ("model", "data"):
         if not getattr(cfg, key):
@@ -80,9 +142,79 @@ def parse_eval_args(argv: list[str]) -> EvalConfig:
         raise ConfigError(f"tensor_parallel={cfg.tensor_parallel} must be >= 1 (GPUs per model)")
     if cfg.max_model_len < 0:
         raise ConfigError(f"max_model_len={cfg.max_model_len} must be >= 0 (0: the model's window)")
+    for key in ("limit", "bootstrap"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
     if not Path(cfg.data).exists():
         raise ConfigError(f"data={cfg.data}: file not found")
+    check_input_file(cfg.data)
+    if cfg.name:
+        safe_name(cfg.name, "name", ConfigError)  # it becomes the output folder's name
+    try:
+        cfg.out.format(name="x")
+    except (KeyError, IndexError, ValueError):
+        raise ConfigError(f"out={cfg.out}: only {{name}} may stand in braces") from None
+    if ".." in Path(cfg.out).parts:
+        raise ConfigError(f"out={cfg.out}: no '..' in the output folder; give it as an absolute path instead")
     return cfg
+
+
+def check_model(model: str, backend: str, key: str = "model") -> None:
+    """A local model is a checkpoint folder; a missing path is refused before anything is written.
+
+    A name that is no local path (``Qwen/Qwen3-8B``) is left to Hugging Face; ``openai`` models are
+    served names."""
+    if backend == "openai":
+        return
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"{key}={model}: is a file; give a checkpoint folder (with config.json) or a "
+                              "Hugging Face id")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{key}={model}: no config.json in this folder; is it a checkpoint (e.g. "
+                              "runs/<run>/stages/<stage>/best)?")
+        return
+    if model.startswith(("/", ".", "~")) or model.endswith("/") or "\\" in model or model.count("/") > 1:
+        raise ConfigError(f"{key}={model}: not found (a checkpoint folder with config.json, or a Hugging Face "
+                          "id such as Qwen/Qwen3-8B)")
+
+
+# the settings whose change makes another evaluation: resuming into its folder would mix the two
+IDENTITY = ("model", "data", "backend", "method", "embedder", "prompt", "recipe", "tokenizer", "max_new_tokens",
+            "enable_thinking", "dtype")
+
+
+def _identity(cfg: EvalConfig) -> dict:
+    ident = {k: getattr(cfg, k) for k in IDENTITY}
+    if cfg.backend != "openai" and Path(cfg.model).expanduser().exists():
+        ident["model"] = str(Path(cfg.model).expanduser().resolve())
+    ident["data"] = str(Path(cfg.data).resolve())
+    return ident
+
+
+def check_out_dir(cfg: EvalConfig) -> None:
+    """``out`` is new, empty, or holds this same evaluation (resume); anything else is refused."""
+    out = cfg.out_path
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out}: is a file; give a folder for the evaluation's output")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not (out / "config.json").is_file():
+        raise ConfigError(f"out={out}: exists and holds no evaluation (no config.json); give a new or empty "
+                          "folder with name= or out=")
+    old = read_json(out / "config.json", "evaluation config")
+    if not isinstance(old, dict):
+        raise DataError(f"{out / 'config.json'}: expected a JSON object; is {out} an evaluation folder?")
+    if isinstance(old.get("identity"), dict):
+        old_ident, new_ident = old["identity"], _identity(cfg)
+    else:  # written before identities were recorded: the settings as they were given
+        old_ident, new_ident = old, {k: getattr(cfg, k) for k in IDENTITY}
+    differ = [k for k in IDENTITY if k in old_ident and old_ident[k] != new_ident[k]]
+    if differ:
+        what = ", ".join(f"{k}={old_ident[k]!r} there, {new_ident[k]!r} now" for k in differ)
+        raise ConfigError(f"out={out} holds another evaluation ({what}); it is neither resumed nor replaced: "
+                          f"give this one its own name= or out=, or delete {out} to start it over")
 
 
 def model_config(cfg: EvalConfig):
@@ -111,7 +243,7 @@ class GenerationCache:
     """``generations.jsonl``: the newest good record per key (a cut-off last line is ignored)."""
 
     def __init__(self, path: Path):
-        self.path, self.done = path, {}
+        self.path, self.done, self.added = path, {}, 0
         for rec in read_log(path):
             if rec.get("error") is None or rec["key"] not in self.done:
                 self.done[rec["key"]] = rec
@@ -124,6 +256,7 @@ class GenerationCache:
         self.done[rec["key"]] = rec
         self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
         self.f.flush()
+        self.added += 1
 
 
 def generation_key(cfg: EvalConfig, prompt: str, repeat: int) -> str:
@@ -155,17 +288,44 @@ def _generate(cfg: EvalConfig, cache: GenerationCache, backend: _Lazy, sid: str,
 
 
 def run_eval(cfg: EvalConfig) -> dict:
-    from tqdm import tqdm
-
-    from longsft.train.data import load_samples, render_prompt
+    from longsft.train.data import load_samples
 
     samples = load_samples(cfg.data)
     if cfg.limit:
         samples = samples[: cfg.limit]
+    check_model(cfg.model, cfg.backend)
+    check_out_dir(cfg)
     out = cfg.out_path
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "config.json", to_dict(cfg))
-    cache = GenerationCache(out / "generations.jsonl")
+    with OutputDir(out) as made:
+        atomic_write_json(out / "config.json", {**to_dict(cfg), "identity": _identity(cfg)})
+        cache = made.cache = GenerationCache(out / "generations.jsonl")
+        return _run(cfg, samples, cache)
+
+
+class OutputDir:
+    """Create ``out`` for a run; if this run made it and fails before generating anything, remove it."""
+
+    def __init__(self, out: Path):
+        self.out, self.cache = out, None
+
+    def __enter__(self):
+        self.made = not self.out.exists()
+        self.out.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, kind, *_):
+        if self.cache is not None:
+            self.cache.f.close()
+        if kind is not None and self.made and (self.cache is None or not self.cache.added):
+            shutil.rmtree(self.out, ignore_errors=True)
+        return False
+
+
+def _run(cfg: EvalConfig, samples: list, cache: GenerationCache) -> dict:
+    from tqdm import tqdm
+
+    from longsft.train.data import render_prompt
+
     backend = _Lazy(lambda: make_backend(cfg))
     rag = RagMethod(cfg) if cfg.method == "rag" else None
     bar = tqdm(total=cfg.repeats * len(samples), desc=f"eval {cfg.run_name}", unit="item", disable=not cfg.progress,

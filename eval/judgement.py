@@ -88,8 +88,8 @@ def normalize_types(value: object) -> list[str]:
 
 
 def parse_judgement(text: str | None) -> Judgement:
-    """Raw model text -> :class:`Judgement` (score None when nothing valid is found)."""
-    if not text:
+    """Raw model text -> :class:`Judgement` (score None when nothing valid is found, or not text)."""
+    if not text or not isinstance(text, str):
         return Judgement(None)
     text = _strip_thinking(text).translate(_FULL_WIDTH).replace("{{", "{").replace("}}", "}")
     for obj in reversed(_json_objects(text)):
@@ -101,7 +101,7 @@ def parse_judgement(text: str | None) -> Judgement:
 
 def extract_json_object(text: str | None) -> dict | None:
     """The last JSON object in a model reply (thinking blocks skipped, light repair), or None."""
-    objs = _json_objects(_strip_thinking(text or ""))
+    objs = _json_objects(_strip_thinking(text if isinstance(text, str) else ""))
     return objs[-1] if objs else None
 
 

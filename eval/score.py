@@ -1,7 +1,9 @@
 """``longsft score PRED.jsonl``: score raw predictions with the shared scorer.
 
-Each line: ``id``, ``prediction`` (raw model text), ``gold_score`` (0-5); optional ``bucket``,
-``language``, ``types``. Prints a table and writes JSON next to the input (or to ``--out``).
+Each line: ``id`` (unique), ``prediction`` (raw model text), ``gold_score`` (an integer 0-5);
+optional ``bucket``, ``language``, ``types``. Prints a table and writes JSON next to the input (or
+to ``--out``, a file in an existing folder). Bad input exits 2 naming the file and line; nothing is
+written.
 """
 
 from __future__ import annotations
@@ -9,23 +11,30 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from longsft.train.io import DataError, atomic_write_json, iter_jsonl
+from longsft.train.config import ConfigError
+from longsft.train.io import DataError, atomic_write_json, check_input_file, check_output_file, iter_jsonl
 
 from .judgement import normalize_types
 from .metrics import Item, score_items
 
 
 def load_predictions(path: str | Path) -> list[Item]:
-    items = []
+    """Validated predictions; ids are unique and gold scores integers 0..5, as training requires."""
+    items, seen = [], {}
     for lineno, rec in iter_jsonl(path):
         missing = [k for k in ("id", "prediction", "gold_score") if k not in rec]
         if missing:
             raise DataError(f"{path}:{lineno}: missing field(s) {missing}")
+        sid = str(rec["id"])
+        if sid in seen:
+            raise DataError(f"{path}:{lineno}: duplicate id {sid!r} (first at {path}:{seen[sid]}); "
+                            "each item must be scored once")
+        seen[sid] = lineno
         gold = rec["gold_score"]
-        if isinstance(gold, bool) or not isinstance(gold, (int, float)) or not 0 <= gold <= 5:
-            raise DataError(f"{path}:{lineno}: gold_score must be a number in 0..5, got {gold!r}")
+        if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold <= 5:
+            raise DataError(f"{path}:{lineno}: gold_score must be an integer 0..5, got {gold!r}")
         pred = rec["prediction"]
-        items.append(Item(id=str(rec["id"]), prediction="" if pred is None else str(pred), gold_score=gold,
+        items.append(Item(id=sid, prediction="" if pred is None else str(pred), gold_score=gold,
                           bucket=rec.get("bucket"), language=rec.get("language"),
                           gold_types=tuple(normalize_types(rec.get("types")))))
     if not items:
@@ -64,8 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap", type=int, default=2000, help="replicates for 95%% CIs (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.bootstrap < 0:
+        raise ConfigError(f"--bootstrap {args.bootstrap}: replicates must be >= 0 (0: no intervals)")
+    check_input_file(args.predictions)
+    out = check_output_file(args.out or Path(args.predictions).with_suffix(".scores.json"))
+    if out.exists() and out.resolve() == Path(args.predictions).resolve():
+        raise DataError(f"--out {out}: is the predictions file itself; give another file name")
     result = score_items(load_predictions(args.predictions), args.invalid_policy, args.bootstrap, args.seed)
-    out = Path(args.out or Path(args.predictions).with_suffix(".scores.json"))
     atomic_write_json(out, result)
     print(format_table(result))
     print(f"\nwrote {out}")

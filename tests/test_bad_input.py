@@ -111,7 +111,7 @@ def test_cross_field_stage_names_and_model():
 
 @pytest.mark.parametrize("line, message", [
     ('{"id": 1, "prediction": "x"}', "pred.jsonl:1: missing field(s) ['gold_score']"),
-    ('{"id": 1, "prediction": "x", "gold_score": 7}', "pred.jsonl:1: gold_score must be a number in 0..5, got 7"),
+    ('{"id": 1, "prediction": "x", "gold_score": 7}', "pred.jsonl:1: gold_score must be an integer 0..5, got 7"),
 ])
 def test_predictions_to_score(tmp_path, line, message):
     from longsft.eval.score import load_predictions
@@ -309,3 +309,10 @@ def test_binary_sweep_file(tmp_path, capsys):
     (tmp_path / "t.sweep").write_bytes(b"a optim.lr=1e-5\n\x89PNG\xff\n")
     code, _, err = run_cli(capsys, "sweep", tmp_path / "t.sweep")
     assert code == 2 and "t.sweep:2: not UTF-8 text" in err, err
+
+
+def test_an_override_that_contains_itself(capsys):
+    from conftest import run_cli
+
+    code, _, err = run_cli(capsys, "config", "recipe=tiny", "stages=&a [*a]")
+    assert code == 2 and "override 'stages=&a [*a]': a YAML alias refers to itself" in err, err

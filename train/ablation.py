@@ -27,26 +27,33 @@ import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .io import DataError, atomic_write_json, atomic_write_text, iter_jsonl
+from .data import check_sample
+from .io import (DataError, atomic_write_json, atomic_write_text, check_input_file, check_output_dir, iter_jsonl,
+                 safe_name)
 
 SOURCES = ("human", "mma", "erhg")
 VARIANTS = {"mma_only": ("human", "mma"), "mma_erhg": ("human", "mma", "erhg")}
 
 
 def read_tagged(paths: list[str | Path]) -> list[dict]:
-    """Records with bucket, source, gold_score and an article; errors name file and line."""
-    out, seen = [], set()
+    """Records with bucket, source, gold_score and an article, each checked as training data (the
+    sets are training data); errors name file and line. All inputs are checked before any is read."""
+    for path in paths:
+        check_input_file(path)
+    out, seen = [], {}
     for path in paths:
         for lineno, rec in iter_jsonl(path):
             where = f"{path}:{lineno}"
             for key in ("id", "bucket", "source", "article", "summary", "gold_score", "language"):
                 if key not in rec:
                     raise DataError(f"{where}: missing field {key!r} (ablation sets need tagged samples)")
+            check_sample(rec, where)
+            safe_name(rec["bucket"], f"{where}: bucket")
             if rec["source"] not in SOURCES:
                 raise DataError(f"{where}: source {rec['source']!r} is not one of {list(SOURCES)}")
             if rec["id"] in seen:
-                raise DataError(f"{where}: duplicate id {rec['id']!r}")
-            seen.add(rec["id"])
+                raise DataError(f"{where}: duplicate id {rec['id']!r} (also at {seen[rec['id']]})")
+            seen[rec["id"]] = where
             out.append(rec)
     if not out:
         raise DataError(f"{', '.join(map(str, paths))}: no samples")
@@ -104,15 +111,21 @@ def nested_sizes(pool: list[dict], sizes: list[int | None], seed: int) -> dict[i
 
 def build_ablation(inputs: list[str | Path], out: str | Path, sizes: list[int | None], n_val: int, n_test: int,
                    seed: int = 42) -> dict:
-    out = Path(out)
+    """Every set is made and checked in memory first; only then are files written (each atomically),
+    so bad input or a size too large leaves ``out`` as it was."""
+    out = check_output_dir(out)
+    if n_val < 1 or n_test < 0:
+        raise DataError(f"--val-articles {n_val} / --test-articles {n_test}: need at least 1 validation article "
+                        "per bucket and no negative count")
     recs = read_tagged(inputs)
     val, test = split_heldout(recs, n_val, n_test, seed)
     manifest = {"inputs": [str(p) for p in inputs], "seed": seed, "variants": {k: list(v) for k, v in VARIANTS.items()},
                 "heldout_articles_per_bucket": {"validation": n_val, "test": n_test}, "sets": {}}
+    files: dict[Path, str] = {}
     heldout = {"validation": [r for r in recs if article_key(r) in val],
                "test": [r for r in recs if article_key(r) in test]}
     for split, rows in heldout.items():
-        manifest["sets"][f"heldout/{split}"] = _write_by_bucket(out / "heldout", split, rows)
+        manifest["sets"][f"heldout/{split}"] = _by_bucket(out / "heldout", split, rows, files)
     train_pool = [r for r in recs if article_key(r) not in val and article_key(r) not in test]
     lines = ["# Table 5: one training run per line (longsft submit --sweep table5.sweep recipe=...)",
              "# name  overrides"]
@@ -124,24 +137,26 @@ def build_ablation(inputs: list[str | Path], out: str | Path, sizes: list[int | 
                                 "lower --sizes or add data")
         for n, rows in nested_sizes(pool, sizes, seed).items():
             name = f"{variant}_{'all' if n is None else n}"
-            manifest["sets"][name] = _write_by_bucket(out / name, "train", rows)
+            manifest["sets"][name] = _by_bucket(out / name, "train", rows, files)
             lines.append(f"{name}  data.source=files data.train_file={out.resolve()}/{name}/{{bucket}}/train.jsonl "
                          f"data.validation_file={out.resolve()}/heldout/{{bucket}}/validation.jsonl")
+    for path, text in files.items():
+        atomic_write_text(path, text)
     atomic_write_text(out / "table5.sweep", "\n".join(lines) + "\n")
     atomic_write_json(out / "manifest.json", manifest)
     return manifest
 
 
-def _write_by_bucket(root: Path, split: str, rows: list[dict]) -> dict:
-    """``root/<bucket>/<split>.jsonl`` (sorted by id within a bucket); returns counts."""
+def _by_bucket(root: Path, split: str, rows: list[dict], files: dict[Path, str]) -> dict:
+    """Adds ``root/<bucket>/<split>.jsonl`` (sorted by id within a bucket) to ``files``; returns counts."""
     by_bucket: dict[str, list] = defaultdict(list)
     for r in rows:
         by_bucket[r["bucket"]].append(r)
     counts = {}
     for bucket, recs in sorted(by_bucket.items()):
         recs.sort(key=lambda r: r["id"])
-        atomic_write_text(root / bucket / f"{split}.jsonl",
-                          "".join(json.dumps(dict(r, split=split), ensure_ascii=False) + "\n" for r in recs))
+        files[root / bucket / f"{split}.jsonl"] = "".join(json.dumps(dict(r, split=split), ensure_ascii=False) + "\n"
+                                                          for r in recs)
         counts[bucket] = {"n": len(recs), "by_source": dict(Counter(r["source"] for r in recs)),
                           "hallucinated": sum(r["gold_score"] <= 2 for r in recs),
                           "by_language": dict(Counter(r["language"] for r in recs))}

@@ -23,7 +23,7 @@
     longsft data mma SAMPLES.jsonl --out F --generator M@URL ... --judge M@URL --judge M@URL --arbiter M@URL
     longsft data ablation SAMPLES.jsonl ... --out DIR [--sizes 1000,2000,all]
 
-Exit status: 0 done, 1 unfinished (status) or does not fit (plan), 2 bad input, 3 training failed (e.g. NaN loss),
+Exit status: 0 done, 1 unfinished (status) or does not fit (plan), 2 bad input, 3 training failed (e.g. NaN loss) or ConStory stories left unjudged,
 75 stopped on request (STOP file, SIGUSR1, SIGTERM, Ctrl-C) with a checkpoint: rerun the same command to resume
 (0 under torchrun, which would report 75 as a failure; `longsft status` tells).
 """
@@ -146,29 +146,30 @@ def _synthesise(args) -> int:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    check_paths(args.input, args.out)  # before anything is asked or written (the answer cache included)
+    # the arguments, then the files, before anything is asked or written (the answer cache included)
+    if args.cmd == "mma":
+        if len(args.judge) != 2:
+            raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
+        if args.max_gap < 0:
+            raise ConfigError(f"--max-gap {args.max_gap}: must be >= 0")
+        eps = [endpoint(g) for g in args.generator], [endpoint(j) for j in args.judge], endpoint(args.arbiter)
+    else:
+        if not 0 <= args.multi <= 1:
+            raise ConfigError(f"--multi {args.multi}: a share, 0..1")
+        if args.engine == "llm" and not args.endpoint:
+            raise ConfigError("--engine llm needs --endpoint MODEL@URL")
+        ep = endpoint(args.endpoint) if args.engine == "llm" else None
+    check_paths(args.input, args.out)
     cache = args.out + ".cache.jsonl"
     try:
         if args.cmd == "mma":
             from .mma import run as run_mma
 
-            if len(args.judge) != 2:
-                raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
-            if args.max_gap < 0:
-                raise ConfigError(f"--max-gap {args.max_gap}: must be >= 0")
-            stats = run_mma(args.input, args.out, [endpoint(g) for g in args.generator],
-                            [endpoint(j) for j in args.judge], endpoint(args.arbiter), args.max_gap)
+            stats = run_mma(args.input, args.out, *eps, args.max_gap)
         else:
             from .erhg import LLMEngine, RuleEngine, run as run_erhg
 
-            if not 0 <= args.multi <= 1:
-                raise ConfigError(f"--multi {args.multi}: a share, 0..1")
-            if args.engine == "llm":
-                if not args.endpoint:
-                    raise ConfigError("--engine llm needs --endpoint MODEL@URL")
-                engine = LLMEngine(endpoint(args.endpoint), Cache(cache))
-            else:
-                engine = RuleEngine(random.Random(args.seed))
+            engine = LLMEngine(ep, Cache(cache)) if ep else RuleEngine(random.Random(args.seed))
             stats = run_erhg(args.input, args.out, engine, args.multi, args.seed)
     except EndpointError as e:
         kept = f" (the answers so far are cached in {cache}: a rerun resumes)" if os.path.exists(cache) else ""
@@ -362,7 +363,11 @@ def main(argv: list[str] | None = None) -> int:
             run(cfg)
             return 0
         if cmd == "eval":
-            from longsft.eval.harness import parse_eval_args, run_eval
+            from longsft.eval.harness import eval_help, parse_eval_args, run_eval, wants_help
+
+            if wants_help(rest):
+                print(eval_help())
+                return 0
 
             summary = run_eval(parse_eval_args(rest))
             m = summary["mean"]

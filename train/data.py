@@ -7,21 +7,29 @@ Accepted record forms (one JSON object per line):
 - richer longsft form: ``id, language, article, summary`` plus ``gold_score`` (0-5) and optional
   ``types``, ``reason``, ``bucket``, ``source`` (human/mma/erhg), ``split``.
 
+Provenance that longsft's own tools add is accepted too (``book, units, tokens`` from ``data
+extend``, ``parent, edits`` from ``data erhg``, ``generator, judges, arbitrated`` from ``data mma``);
+``meta`` is free-form, for anything of your own. Any other field is refused as a likely typo
+(``file:line: unknown field 'typs' (did you mean 'types'?)``): a misspelled optional field would
+otherwise be dropped without a word.
+
 The prompt is always rendered from its parts (instruction, article, summary) so that the
 article can be truncated in the middle without touching the summary.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from longsft.eval.judgement import normalize_types, parse_judgement
+from longsft.eval.judgement import TYPES, normalize_type, normalize_types, parse_judgement
 
 from .io import DataError, iter_jsonl
 
@@ -57,6 +65,54 @@ TRUNCATION_MARK = {"en": "\n[... middle of the text omitted ...]\n", "zh": "\nã€
 
 PromptVariant = Literal["end", "begin", "cot"]
 
+# Every field a sample may carry (see the module docstring); ``meta`` is the free-form one.
+SAMPLE_FIELDS = ("id", "language", "article", "summary", "gold_score", "types", "reason", "bucket", "source", "split",
+                 "instruction", "input", "output", "book", "units", "tokens", "parent", "edits", "generator",
+                 "judges", "arbitrated", "meta")
+
+
+def check_fields(rec: dict, known: tuple[str, ...], where: str) -> None:
+    """Refuse a field not in ``known``, naming the nearest known one (a typo is not dropped silently)."""
+    for key in rec:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}?" if near else f"known: {', '.join(known)}"
+            raise DataError(f"{where}: unknown field {key!r} ({hint}); free-form data goes under 'meta'")
+
+
+def check_sample(rec: dict, where: str, required: tuple[str, ...] = ("id", "language", "article", "summary")) -> None:
+    """The checks every sample reader shares: known fields, ``required`` text fields, language, gold_score."""
+    check_fields(rec, SAMPLE_FIELDS, where)
+    for key in required:
+        if key not in rec:
+            raise DataError(f"{where}: missing field {key!r}")
+        if not isinstance(rec[key], str) or (key != "id" and not rec[key].strip()):
+            raise DataError(f"{where}: field {key!r} must be a non-empty string, got {_show(rec[key])}")
+    if "language" in rec and rec["language"] not in LANGUAGES:
+        raise DataError(f"{where}: unknown language {rec['language']!r} (expected one of {list(LANGUAGES)})")
+    if "gold_score" in rec:
+        score = rec["gold_score"]
+        if isinstance(score, bool) or not isinstance(score, int) or not 0 <= score <= 5:
+            raise DataError(f"{where}: gold_score must be an integer 0..5, got {score!r}")
+    for key in ("instruction", "input", "output", "reason", "bucket", "source", "split", "book", "parent", "generator"):
+        if rec.get(key) is not None and not isinstance(rec[key], str):
+            raise DataError(f"{where}: field {key!r} must be a string, got {_show(rec[key])}")
+    types = rec.get("types")
+    if types is not None:
+        if not isinstance(types, (list, str)):
+            raise DataError(f"{where}: types must be a list of type names, got {_show(types)}")
+        for t in types if isinstance(types, list) else re.split(r"[,ã€;/|]", types):
+            t = str(t).strip()
+            if t and normalize_type(t) is None:
+                near = difflib.get_close_matches(t.lower(), TYPES, n=1)
+                hint = f"did you mean {near[0]!r}?" if near else f"known: {', '.join(TYPES)}"
+                raise DataError(f"{where}: types: unknown hallucination type {t!r} ({hint})")
+
+
+def _show(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
 
 @dataclass
 class Sample:
@@ -87,19 +143,27 @@ def load_samples(path: str | Path) -> list[Sample]:
     return samples
 
 
+def read_records(path: str | Path, required: tuple[str, ...] = ("id", "language", "article", "summary")) -> list[dict]:
+    """The raw records of a samples file for the data commands, checked as :func:`check_sample`
+    does (with ``required`` fields), ids unique; errors name the file and line."""
+    recs, seen = [], {}
+    for lineno, rec in iter_jsonl(path):
+        where = f"{path}:{lineno}"
+        check_sample(rec, where, required)
+        if rec["id"] in seen:
+            raise DataError(f"{where}: duplicate id {rec['id']!r} (also on line {seen[rec['id']]})")
+        seen[rec["id"]] = lineno
+        recs.append(rec)
+    if not recs:
+        raise DataError(f"{path}: no samples")
+    return recs
+
+
 def _parse_record(rec: dict, where: str) -> Sample:
-    for key in ("id", "language", "article", "summary"):
-        if key not in rec:
-            raise DataError(f"{where}: missing field {key!r}")
-        if not isinstance(rec[key], str) or (key != "id" and not rec[key].strip()):
-            raise DataError(f"{where}: field {key!r} must be a non-empty string")
+    check_sample(rec, where)
     lang = rec["language"]
-    if lang not in LANGUAGES:
-        raise DataError(f"{where}: unknown language {lang!r} (expected one of {list(LANGUAGES)})")
     if "gold_score" in rec:
         score = rec["gold_score"]
-        if isinstance(score, bool) or not isinstance(score, int) or not 0 <= score <= 5:
-            raise DataError(f"{where}: gold_score must be an integer 0..5, got {score!r}")
         types = normalize_types(rec.get("types"))
         target = rec.get("output") or render_target(lang, score, types, rec.get("reason") or "")
     elif "output" in rec:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .checkpoint import safe_loading
 from .config import ConfigError, RunConfig, StageConfig
 from .loss import register_fused_loss
 
@@ -118,7 +119,8 @@ def lr_lambda(kind: str, total_steps: int, warmup: int = 0, min_ratio: float = 0
 
 
 def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
-    """``deepspeed.initialize`` with our LR schedule (stepped by DeepSpeed each optimizer step)."""
+    """``deepspeed.initialize`` with our LR schedule (stepped by DeepSpeed each optimizer step); its
+    checkpoints load with ``weights_only=True`` (an unsupported DeepSpeed fails here, before training)."""
     import deepspeed
 
     o = cfg.optim
@@ -127,4 +129,5 @@ def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=copy.deepcopy(ds_config), lr_scheduler=sched)
     register_fused_loss(engine.module)  # model.loss_kernel=liger: the head weight, now surely partitioned
+    safe_loading(engine)
     return engine

@@ -12,7 +12,11 @@ Two engines make the edits:
   article, number change, relation-word swap, negation flip, event-verb swap, timeline-marker
   swap, a fabricated cause, a fabricated sentence (from elsewhere in the book when given);
 - ``llm``: any OpenAI-compatible endpoint, one prompt per type (ours), JSON reply validated
-  (the sentence must exist, the edit must change it and stay one sentence) and retried.
+  (the sentence must exist, the edit must change it and stay one sentence) and retried; an
+  endpoint that does not answer stops the run at the first request (answers so far are cached).
+
+The input is checked whole before any edit: every record needs ``id, language, article,
+summary``; unknown fields are refused as in the training data (``meta`` is free-form).
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import random
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from longsft.eval.judgement import TYPES
 
-from .io import atomic_write_text, iter_jsonl
+from .data import read_records
+from .io import DataError, atomic_write_text, check_input_file, check_output_file
 
 SENT = {"en": re.compile(r"(?<=[.!?])\s+"), "zh": re.compile(r"(?<=[。！？])")}
 JOIN = {"en": " ", "zh": ""}
@@ -343,7 +349,8 @@ def generate(samples: list[dict], engine, n_types: list[int], seed: int = 42) ->
             continue
         summary, edits = result
         used.update(chosen)
-        out.append({**{k: v for k, v in sample.items() if k not in ("summary", "types", "gold_score", "output")},
+        out.append({**{k: v for k, v in sample.items()
+                       if k not in ("summary", "types", "gold_score", "output", "reason")},
                     "id": f"{sample['id']}-erhg", "summary": summary, "gold_score": 2 if n == 1 else 1,
                     "types": sorted({e.type for e in edits}), "source": "erhg", "parent": sample["id"],
                     "edits": [e.__dict__ for e in edits]})
@@ -359,8 +366,19 @@ def book_pool(samples: list[dict]) -> dict[str, list[str]]:
     return pool
 
 
+def check_paths(inputs: str, out: str) -> None:
+    """Before anything is asked or written: the input is readable, ``out`` is a writable file name
+    and not the input itself."""
+    check_input_file(inputs)
+    check_output_file(out)
+    if Path(out).exists() and Path(out).resolve() == Path(inputs).resolve():
+        raise DataError(f"--out {out}: is the input file; give another name")
+
+
 def run(inputs: str, out: str, engine, multi: float = 0.3, seed: int = 42) -> dict:
-    samples = [rec for _, rec in iter_jsonl(inputs)]
+    """ERHG over a samples file (id, language, article, summary; checked before any edit)."""
+    check_paths(inputs, out)
+    samples = read_records(inputs)
     if isinstance(engine, RuleEngine) and not engine.pool:
         engine.pool = book_pool(samples)
     rng = random.Random(seed)

@@ -18,6 +18,11 @@ Streams one book at a time. Output: ``<out>/<bucket>/samples.jsonl`` (the richer
 gold_score 5, source "human"), ``<out>/stats.json``, ``<out>/problems.jsonl`` (each skipped unit or
 book with its id and why) and ``<out>/progress.json``, which lets an interrupted build resume
 where it stopped (``--resume``) with byte-identical output.
+
+Nothing the user had is overwritten: the whole input is checked (one quick pass, no tokenizing)
+before anything is written; a new build refuses an ``--out`` that already holds any of its output
+files; a finished build is left as it is (``--resume`` on it prints its stats again). Unit
+fields other than ``book, unit, language, text, summary`` and the free-form ``meta`` are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .io import DataError, atomic_write_json, iter_jsonl
+from .data import check_fields
+from .io import DataError, atomic_write_json, check_input_file, check_output_dir, iter_jsonl, read_json, safe_name
 
 SEP = "\n\n"
 SUMMARY_JOIN = {"zh": "", "en": " "}
@@ -37,6 +43,7 @@ SUMMARY_JOIN = {"zh": "", "en": " "}
 # its bucket, so a 16k sample is 12,000-16,000 tokens; override with name=lower:upper.
 DEFAULT_BUCKETS = {"16k": (12_000, 16_000), "32k": (24_000, 32_000), "64k": (48_000, 64_000),
                    "100k": (75_000, 100_000)}
+UNIT_FIELDS = ("book", "unit", "language", "text", "summary", "meta")
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,9 @@ def parse_buckets(spec: str) -> list[Bucket]:
                             "or give name=lower:upper)")
         if not 0 < lo <= hi:
             raise DataError(f"--buckets {part!r}: need 0 < lower <= upper")
+        safe_name(name, "--buckets name")
+        if any(b.name == name for b in out):
+            raise DataError(f"--buckets: bucket {name!r} given twice")
         out.append(Bucket(name, lo, hi))
     if not out:
         raise DataError("--buckets: no bucket given")
@@ -100,9 +110,15 @@ def read_books(path: str | Path, problems: list) -> Iterator[list[Unit]]:
     book, units, done = None, [], set()
     for lineno, rec in iter_jsonl(path):
         where = f"{path}:{lineno}"
+        check_fields(rec, UNIT_FIELDS, where)
         missing = [k for k in ("book", "unit", "language", "text") if k not in rec]
         if missing:
             raise DataError(f"{where}: missing field(s) {missing}")
+        for k in ("text", "summary"):
+            if rec.get(k) is not None and not isinstance(rec[k], str):
+                raise DataError(f"{where}: field {k!r} must be a string, got {type(rec[k]).__name__}")
+        if not isinstance(rec["book"], (str, int)) or isinstance(rec["book"], bool):
+            raise DataError(f"{where}: field 'book' must be a string, got {type(rec['book']).__name__}")
         b = str(rec["book"])
         if b != book:
             if b in done:
@@ -114,7 +130,8 @@ def read_books(path: str | Path, problems: list) -> Iterator[list[Unit]]:
             book, units = b, []
         if rec["language"] not in SUMMARY_JOIN:
             raise DataError(f"{where}: unknown language {rec['language']!r} (zh or en)")
-        if not isinstance(rec["unit"], int) or (units and rec["unit"] <= units[-1].index):
+        unit_no = rec["unit"]
+        if not isinstance(unit_no, int) or isinstance(unit_no, bool) or (units and unit_no <= units[-1].index):
             raise DataError(f"{where}: unit {rec['unit']!r} of book {b!r} is out of order (integers, increasing)")
         unit = Unit(b, rec["unit"], rec["language"], str(rec["text"] or ""), str(rec.get("summary") or "").strip(),
                     lineno)
@@ -163,18 +180,38 @@ class Builder:
         self.progress_path = self.out / "progress.json"
         self.stats = Stats(tokens={b.name: [] for b in buckets})
         self.done_books: set[str] = set()
-        if self.progress_path.exists() and not resume:
-            raise DataError(f"{self.out} holds a (partial) build: pass --resume to continue it, or use a new --out")
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.finished = None  # the stats of a finished build found in ``out``
+        files = {b.name: self.out / b.name / "samples.jsonl" for b in buckets}
+        files["problems"] = self.out / "problems.jsonl"
         sizes = {}
-        if resume and self.progress_path.exists():
-            p = json.loads(self.progress_path.read_text())
+        if self.progress_path.exists():
+            p = read_json(self.progress_path, "progress file")
+            if not isinstance(p, dict) or not {"buckets", "books_done", "sizes", "stats"} <= p.keys():
+                raise DataError(f"{self.progress_path}: not a longsft progress file; use a new --out")
             if p["buckets"] != [[b.name, b.lower, b.upper] for b in buckets]:
-                raise DataError(f"{self.progress_path}: the partial build used buckets {p['buckets']}; "
-                                "resume with the same --buckets or start in a new --out")
+                raise DataError(f"{self.progress_path}: the {'finished' if p.get('finished') else 'partial'} build "
+                                f"used buckets {p['buckets']}; resume with the same --buckets or use a new --out")
+            if p.get("finished"):
+                if not resume:
+                    raise DataError(f"{self.out} holds a finished build; use a new --out (or delete it to rebuild)")
+                self.finished = read_json(self.out / "stats.json", "stats file")
+                return
+            if not resume:
+                raise DataError(f"{self.out} holds a (partial) build: pass --resume to continue it, or use a new --out")
+            for key, path in files.items():
+                if key not in p["sizes"] or not path.exists() or path.stat().st_size < p["sizes"][key]:
+                    raise DataError(f"{path}: missing or shorter than {self.progress_path} records; "
+                                    "start in a new --out")
             self.done_books, sizes = set(p["books_done"]), p["sizes"]
             self.stats = _stats_from_json(p["stats"])
-        files = {b.name: self.out / b.name / "samples.jsonl" for b in buckets} | {"problems": self.out / "problems.jsonl"}
+        else:
+            there = [str(f) for f in [*files.values(), self.out / "stats.json"] if f.exists()]
+            if there:
+                raise DataError(f"{there[0]} already exists (another build?): use a new --out, or delete it; "
+                                "nothing was changed")
+            self.out.mkdir(parents=True, exist_ok=True)
+            sizes = {key: 0 for key in files}  # from here on a crash leaves a build that --resume continues
+            self._save_progress(sizes)
         self.files = {}
         for key, path in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -257,15 +294,20 @@ class Builder:
         for f in self.files.values():
             f.flush()
             os.fsync(f.fileno())
+        self._save_progress({k: f.tell() for k, f in self.files.items()})
+
+    def _save_progress(self, sizes: dict, finished: bool = False) -> None:
         atomic_write_json(self.progress_path, {
             "buckets": [[b.name, b.lower, b.upper] for b in self.buckets], "books_done": sorted(self.done_books),
-            "sizes": {k: f.tell() for k, f in self.files.items()}, "stats": _stats_to_json(self.stats)})
+            "sizes": sizes, "stats": _stats_to_json(self.stats), "finished": finished})
 
     def finish(self) -> dict:
+        sizes = {k: f.tell() for k, f in self.files.items()}
         for f in self.files.values():
             f.close()
         summary = summarize(self.stats, self.buckets)
         atomic_write_json(self.out / "stats.json", summary)
+        self._save_progress(sizes, finished=True)
         return summary
 
 
@@ -296,13 +338,18 @@ def summarize(s: Stats, buckets: list[Bucket], bins: int = 8) -> dict:
 
 
 def build(units_file: str | Path, out: str | Path, buckets: list[Bucket], tokenizer, resume: bool = False) -> dict:
+    """Check the whole input (one pass, no tokenizing), then build; see the module docstring."""
+    check_input_file(units_file)
+    check_output_dir(out)
+    if not any(True for _ in read_books(units_file, [])):
+        raise DataError(f"{units_file}: no units")
     builder = Builder(Path(out), buckets, tokenizer, resume)
+    if builder.finished is not None:
+        return builder.finished
     problems: list = []
     for units in read_books(units_file, problems):
         builder.add_book(units, problems)
         problems.clear()
-    if not builder.stats.books:
-        raise DataError(f"{units_file}: no units")
     return builder.finish()
 
 

@@ -36,6 +36,19 @@ def check_output_file(path: str | Path) -> Path:
     return path
 
 
+def check_output_dir(path: str | Path, what: str = "--out") -> Path:
+    """A folder a command writes into: it may exist (as a folder) or be made; never a file."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{what} {path}: is a file, expected a folder")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DataError(f"{what} {path}: {parent} is a file, not a folder")
+            break
+    return path
+
+
 def safe_name(name: Any, what: str, error: type[ValueError] = DataError) -> str:
     """A name that becomes one path component (a bucket, stage or run name) stays inside its folder."""
     text = str(name)
@@ -78,16 +91,13 @@ def read_json(path: str | Path, what: str = "JSON file") -> Any:
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     """Yield (line_number, record) for each non-blank line; malformed lines raise DataError."""
     path = check_input_file(path)
-    with path.open(encoding="utf-8") as f:
-        lineno = 0
-        while True:
+    with path.open("rb") as f:  # bytes, decoded per line: a bad byte is reported on its own line
+        for lineno, raw in enumerate(f, 1):
             try:
-                line = f.readline()
-            except UnicodeDecodeError:
-                raise DataError(f"{path}:{lineno + 1}: not UTF-8 text; is it a binary file?") from None
-            if not line:
-                return
-            lineno += 1
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}); "
+                                "is it a binary file?") from None
             if not line.strip():
                 continue
             rec = _loads(line, f"{path}:{lineno}")

@@ -2,14 +2,19 @@
 
 Standard library only. :func:`ask_json` sends a prompt, parses a JSON object from the reply,
 checks it with the caller's validator, and retries (with the complaint appended) when the reply
-is malformed; what still fails is reported, never raised into a long build.
+is malformed; a reply that never validates is :class:`LLMError` (the caller reports it and goes
+on). An endpoint that does not answer at all (refused, timed out, HTTP error, not a chat
+completion) is :class:`EndpointError` after two short, printed retries: the build stops at the
+first request instead of grinding through every sample; answers so far stay cached.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +44,14 @@ class Endpoint:
 
 
 class LLMError(RuntimeError):
-    """The endpoint gave no usable answer after the retries."""
+    """The endpoint answered, but no answer validated after the retries."""
+
+
+class EndpointError(RuntimeError):
+    """The endpoint gave no answer at all: down, wrong URL or model, refusing requests."""
+
+
+RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
 
 
 def chat_full(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> tuple[str, dict]:
@@ -64,8 +76,9 @@ class Cache:
 
     def __init__(self, path: str | os.PathLike | None):
         self.path = path
-        self.data = {rec["key"]: rec["answer"] for rec in read_log(path)} if path else {}
-        self.f = open(path, "a", encoding="utf-8") if path else None
+        self.data = {rec["key"]: rec["answer"] for rec in read_log(path)
+                     if isinstance(rec, dict) and "key" in rec} if path else {}
+        self.f = None  # opened at the first answer: a run that gets none leaves no file
 
     @staticmethod
     def key(ep: Endpoint, prompt: str) -> str:
@@ -76,29 +89,52 @@ class Cache:
 
     def put(self, key: str, answer: dict) -> None:
         self.data[key] = answer
+        if self.path and self.f is None:
+            self.f = open(self.path, "a", encoding="utf-8")
         if self.f:
             self.f.write(json.dumps({"key": key, "answer": answer}, ensure_ascii=False) + "\n")
             self.f.flush()
 
 
-def ask_json(ep: Endpoint, prompt: str, validate, retries: int = 3, backoff_s: float = 1.0,
-             cache: Cache | None = None) -> dict:
+def _request(ep: Endpoint, messages: list[dict], tries: int, backoff_s: float) -> str:
+    """One reply text; connection errors, timeouts and HTTP 408/429/5xx are retried ``tries - 1``
+    times (each retry printed), anything else fails at once: :class:`EndpointError` names the endpoint."""
+    for attempt in range(tries):
+        try:
+            return chat(ep, messages)
+        except urllib.error.HTTPError as e:
+            detail = " ".join(e.read(300).decode("utf-8", "replace").split())
+            why = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
+            if e.code not in RETRYABLE_HTTP:
+                raise EndpointError(f"{ep.model}@{ep.base_url}: {why}; wrong model name, key or URL?") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
+            why = f"{getattr(e, 'reason', None) or e}"
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            raise EndpointError(f"{ep.model}@{ep.base_url}: the reply is not an OpenAI chat completion ({e!r}); "
+                                "is the URL the API root (…/v1)?") from None
+        if attempt + 1 < tries:
+            wait = backoff_s * 2 ** attempt
+            print(f"longsft: {ep.model}@{ep.base_url}: request failed ({why}); retry {attempt + 1}/{tries - 1} "
+                  f"in {wait:g}s", file=sys.stderr, flush=True)
+            time.sleep(wait)
+    raise EndpointError(f"{ep.model}@{ep.base_url}: no answer after {tries} requests ({why}); is the server "
+                        "running at that URL?")
+
+
+def ask_json(ep: Endpoint, prompt: str, validate, retries: int = 3, backoff_s: float = 0.5,
+             cache: Cache | None = None, network_tries: int = 3) -> dict:
     """Ask until ``validate(obj)`` returns None (valid) or the retries run out (:class:`LLMError`).
 
     ``validate`` returns a complaint string for a parsed-but-wrong object; it is sent back to the
-    model on the next try. Network errors are retried with backoff."""
+    model on the next try. A request that gets no reply is retried ``network_tries - 1`` times with
+    backoff, then raises :class:`EndpointError` (the endpoint is down: stop, do not go on)."""
     key = Cache.key(ep, prompt) if cache else None
     if cache and cache.get(key) is not None:
         return cache.get(key)
     messages = [{"role": "user", "content": prompt}]
     problems = []
-    for attempt in range(retries + 1):
-        try:
-            text = chat(ep, messages)
-        except (urllib.error.URLError, TimeoutError, OSError, KeyError, ValueError) as e:
-            problems.append(f"request failed: {e}")
-            time.sleep(backoff_s * (2 ** attempt))
-            continue
+    for _ in range(retries + 1):
+        text = _request(ep, messages, network_tries, backoff_s)
         obj = extract_json_object(text)
         complaint = "no JSON object in the reply" if obj is None else validate(obj)
         if complaint is None:

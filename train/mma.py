@@ -25,8 +25,9 @@ from collections import Counter
 
 from longsft.eval.judgement import normalize_types
 
-from .data import Sample, render_prompt
-from .io import atomic_write_json, atomic_write_text, iter_jsonl
+from .data import Sample, read_records, render_prompt
+from .erhg import check_paths
+from .io import atomic_write_json, atomic_write_text
 from .llm import Cache, Endpoint, LLMError, ask_json
 
 SUMMARIZE = {"en": "Summarise the following novel excerpt in English, in one paragraph, keeping the main events "
@@ -67,12 +68,18 @@ def aggregate(a: dict, b: dict, max_gap: int = 1) -> tuple[int, list[str]] | Non
 
 def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint], arbiter: Endpoint,
         max_gap: int = 1, retries: int = 3) -> dict:
+    """MMA over a samples file (id, language, article; checked before any request).
+
+    A reply that never validates drops that summary (``problems``); an endpoint that does not
+    answer stops the run (:class:`~longsft.train.llm.EndpointError`), the answers so far cached."""
     if len(judges) != 2:
         raise ValueError("MMA needs exactly two judges (--judge twice)")
+    check_paths(inputs, out)
+    recs = read_records(inputs, ("id", "language", "article"))
     cache = Cache(str(out) + ".cache.jsonl")
     samples, problems, stats = [], [], Counter()
     pair_labels = Counter()
-    for _, rec in iter_jsonl(inputs):
+    for rec in recs:
         lang, article = rec["language"], rec["article"]
         for gen in generators:
             sid = f"{rec['id']}-mma-{gen.model}"
@@ -102,7 +109,8 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
                 stats[f"arbiter_sided_{'+'.join(side) or 'neither'}"] += 1
             else:
                 score, types = agreed
-            samples.append({**{k: v for k, v in rec.items() if k not in ("summary", "types", "gold_score", "output")},
+            samples.append({**{k: v for k, v in rec.items()
+                               if k not in ("summary", "types", "gold_score", "output", "reason")},
                             "id": sid, "summary": summary.strip(), "gold_score": score, "types": types,
                             "source": "mma", "generator": gen.model, "parent": rec["id"],
                             "judges": [ja, jb], "arbitrated": agreed is None})

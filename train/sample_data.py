@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 
 from .data import render_target
-from .io import write_jsonl
+from .io import DataError, check_output_dir, write_jsonl
 
 # bucket -> (min, max) article tokens. Tiny stages use seq_len 512/1024/2048/4096; the upper
 # ends overshoot slightly on purpose so the overflow policy is exercised.
@@ -108,11 +108,19 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
 
 def write_sample_data(out_dir: str | Path, tokenizer, buckets: list[str], n_per_language: int = 16,
                       n_validation: int = 4, seed: int = 42) -> dict[str, dict[str, Path]]:
-    """Write ``<out>/<bucket>/{train,validation}.jsonl``; identical for identical arguments."""
-    out = {}
+    """Write ``<out>/<bucket>/{train,validation}.jsonl``; identical for identical arguments.
+    Every argument is checked before anything is written."""
+    check_output_dir(out_dir)
     for bucket in buckets:
         if bucket not in SAMPLE_BUCKETS:
-            raise ValueError(f"no sample bucket {bucket!r}; known: {list(SAMPLE_BUCKETS)}")
+            raise DataError(f"bucket {bucket!r}: the sample set has no such bucket; known: {', '.join(SAMPLE_BUCKETS)}")
+    if not buckets or len(set(buckets)) != len(buckets):
+        raise DataError(f"--buckets {','.join(buckets)}: give each bucket once, at least one")
+    for flag, n in (("--n", n_per_language), ("--n-validation", n_validation)):
+        if n < 1:
+            raise DataError(f"{flag} {n}: must be at least 1 (samples per language and bucket)")
+    out = {}
+    for bucket in buckets:
         paths = {}
         for split, n in (("train", n_per_language), ("validation", n_validation)):
             rng = random.Random(f"{seed}/{bucket}/{split}")

@@ -1,0 +1,259 @@
+"""`longsft serve` under a bounded abuse test on loopback: oversized and malformed bodies, stalled and slow
+connections, a huge max_tokens beside small requests, keys, bad settings and a port in use; real tiny model."""
+
+import http.client
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import pytest
+
+from conftest import run_cli
+from longsft.eval.serve import ServeConfig, build
+
+CHAT = "/v1/chat/completions"
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("qwen3")
+
+
+@pytest.fixture(scope="module")
+def backend(model):
+    from longsft.eval.backends import HFBackend
+    from longsft.eval.harness import EvalConfig, model_config
+
+    return HFBackend(model_config(EvalConfig(model=str(model), tokenizer="qwen")), 8)
+
+
+@contextmanager
+def running(backend, model, **keys):
+    """A server on a free loopback port, dispatching on a thread, over the module's loaded model."""
+    cfg = ServeConfig(**{"model": str(model), "tokenizer": "qwen", "port": 0, "max_new_tokens": 32, "timeout": 2.0,
+                         **keys})
+    server = build(cfg, backend)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def call(server, method="POST", path=CHAT, body=HI, headers=None, timeout=30.0) -> tuple[int, dict]:
+    c = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=timeout)
+    try:
+        data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+        c.request(method, path, body=data, headers=headers or {})
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        c.close()
+
+
+def raw(server, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send ``data`` on a fresh connection and read the answer to its end."""
+    with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=timeout) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)  # and nothing more
+        return read_all(s)
+
+
+def read_all(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(1 << 16):
+        out += chunk
+    return out
+
+
+def until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_chat_takes_the_whole_conversation_temperature_and_seed(backend, model):
+    convo = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
+             {"role": "assistant", "content": "Blue."}, {"role": "user", "content": [{"type": "text", "text": "And?"}]}]
+    flat = [dict(m, content="And?") if isinstance(m["content"], list) else m for m in convo]
+    expected = len(backend.tok.apply_chat_template(flat, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                                   enable_thinking=False))
+    with running(backend, model) as server:
+        status, listing = call(server, "GET", "/v1/models", None)
+        assert status == 200 and [m["id"] for m in listing["data"]] == [model.name]  # the folder, not its path
+        status, r = call(server, body={"messages": convo, "max_tokens": 5})
+        assert status == 200 and r["model"] == model.name and r["usage"]["prompt_tokens"] == expected
+        assert r["usage"]["completion_tokens"] <= 5 and r["choices"][0]["finish_reason"] in ("stop", "length")
+
+        def text(**kw):
+            status, r = call(server, body={"messages": convo, "max_tokens": 8, **kw})
+            assert status == 200, r
+            return r["choices"][0]["message"]["content"]
+
+        assert text() == text(temperature=0)  # the default (temperature=0): greedy
+        assert text(temperature=1.5, seed=1) == text(temperature=1.5, seed=1)
+        assert len({text(temperature=1.5, seed=s) for s in range(3)}) > 1  # sampled; a random model, 151k tokens
+    with running(backend, model, served_model_name="tiny-qwen") as server:
+        assert call(server, "GET", "/v1/models", None)[1]["data"][0]["id"] == "tiny-qwen"
+
+
+MALFORMED = [b"not json", b"\xff\xfe\x00garbage", b"[1, 2]", b'"hi"', b"{}", b'{"messages": "hi"}',
+             b'{"messages": []}', b'{"messages": [{"role": "user"}]}',
+             b'{"messages": [{"role": "robot", "content": "x"}]}',
+             b'{"messages": ["hi"]}', b'{"messages": [{"role": "user", "content": {"a": 1}}]}',
+             b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+             *(json.dumps(dict(HI, **kw)).encode() for kw in [
+                 {"max_tokens": "abc"}, {"max_tokens": 0}, {"max_tokens": -5}, {"max_tokens": 2.5},
+                 {"max_tokens": True}, {"max_completion_tokens": "x"}, {"temperature": "hot"}, {"temperature": -1},
+                 {"temperature": 9}, {"top_p": 0}, {"top_p": 2}, {"seed": -1}, {"seed": "s"}, {"stream": True},
+                 {"n": 3}, {"stop": ["\n"]}, {"tools": [{"type": "function"}]}]),
+             b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}',
+             b"[" * 100_000]
+
+
+def test_every_malformed_request_gets_a_json_error_and_the_server_keeps_answering(backend, model):
+    with running(backend, model) as server:
+        for body in MALFORMED:
+            status, r = call(server, body=body, headers={"Content-Type": "application/json"})
+            assert status == 400 and r["error"]["type"] == "invalid_request_error" and r["error"]["message"], body
+        assert call(server, "POST", "/v1/nope")[0] == 404
+        assert call(server, "GET", "/v2/models", None)[0] == 404
+        assert call(server, "DELETE", CHAT, None)[0] == 501
+        for bad in [b"GARBAGE\r\n\r\n", b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: ten\r\n\r\n",
+                    b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 50\r\n\r\n{}"]:  # short, then EOF
+            head, _, body = raw(server, bad).partition(b"\r\n\r\n")
+            assert head.split()[1] in (b"400", b"408", b"411") and "error" in json.loads(body), bad
+        assert call(server)[0] == 200
+
+
+def test_oversized_body_is_refused_before_it_is_read(backend, model):
+    with running(backend, model, max_body_bytes=4096) as server:
+        with socket.create_connection(("127.0.0.1", server.server_address[1]), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 300000000\r\n\r\n"
+                      + b"x" * 65536)  # 300 MB announced, 64 KiB sent, then nothing
+            answer = read_all(s)
+            assert answer.startswith(b"HTTP/1.1 413") and b"max_body_bytes" in answer
+            assert time.monotonic() - t0 < 4  # answered, not waiting for 300 MB
+        expect = raw(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                             b"Content-Length: 300000000\r\n\r\n")
+        assert expect.startswith(b"HTTP/1.1 413")  # refused before the client sends the body at all
+        status, r = call(server, body=b"{" + b" " * 1_000_000 + b"}")  # a real client sending 1 MB reads the 413
+        assert status == 413 and "4096" in r["error"]["message"]
+        assert call(server)[0] == 200
+
+
+def test_stalled_and_slow_connections_hold_no_threads_and_are_dropped(backend, model):
+    with running(backend, model, workers=2, timeout=1.0, max_pending=40) as server:
+        threads = threading.active_count()
+        addr = ("127.0.0.1", server.server_address[1])
+        stalled = [socket.create_connection(addr, timeout=5) for _ in range(60)]  # connect, never send
+        slow = [socket.create_connection(addr, timeout=5) for _ in range(2)]  # a request line, then nothing
+        for s in slow:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        assert call(server, timeout=10)[0] == 200  # waits for a worker at most one timeout
+        assert time.monotonic() - t0 < 3
+        assert threading.active_count() == threads  # 62 open connections, not one thread more
+        t0 = time.monotonic()
+        for s in stalled + slow:  # every one closed by the server within about one timeout
+            try:
+                assert s.recv(1024) == b""
+            except ConnectionResetError:
+                pass
+            s.close()
+        assert time.monotonic() - t0 < 4
+        assert call(server)[0] == 200
+
+
+def test_requests_beyond_the_queue_get_503_and_the_queue_drains(backend, model):
+    with running(backend, model, workers=1, max_queue=1, timeout=1.5) as server:
+        addr = ("127.0.0.1", server.server_address[1])
+        with socket.create_connection(addr, timeout=5) as hog:
+            hog.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # holds the only worker until its deadline
+            until(lambda: len(server._reading) == 1)
+            with ThreadPoolExecutor(1) as pool:
+                queued = pool.submit(call, server)  # waits in the queue
+                until(lambda: server._ready.qsize() == 1)
+                t0 = time.monotonic()
+                status, r = call(server)
+                assert status == 503 and r["error"]["type"] == "server_error" and time.monotonic() - t0 < 1
+                assert queued.result()[0] == 200
+
+def test_huge_max_tokens_is_refused_and_a_full_one_does_not_starve_small_ones(backend, model):
+    big = {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 64}
+    with running(backend, model, max_new_tokens=64, workers=8) as server:
+        t0 = time.monotonic()
+        status, r = call(server, body=dict(big, max_tokens=10 ** 9))
+        assert status == 400 and "max_new_tokens" in r["error"]["message"] and time.monotonic() - t0 < 1
+        t0 = time.monotonic()
+        assert call(server, body=big)[1]["usage"]["completion_tokens"] == 64  # a random model runs to the cap
+        one_big = time.monotonic() - t0
+        with ThreadPoolExecutor(8) as pool:
+            bigs = [pool.submit(call, server, body=big) for _ in range(3)]
+            time.sleep(0.05)
+            t0 = time.monotonic()
+            small = [pool.submit(call, server) for _ in range(4)]
+            assert all(f.result()[0] == 200 for f in small)
+            # in arrival order: a small request waits for the (capped) requests ahead of it, no more
+            assert time.monotonic() - t0 < 3 * one_big + 3
+            assert all(f.result()[0] == 200 for f in bigs)
+
+
+def test_exposed_host_warns_and_takes_a_key(backend, model, capsys, monkeypatch):
+    monkeypatch.delenv("LONGSFT_API_KEY", raising=False)
+    with running(backend, model, host="0.0.0.0"):
+        assert "warning: 0.0.0.0 is reachable from other machines; there is no API key" in capsys.readouterr().err
+    with running(backend, model, host="127.0.0.1"):
+        assert "warning" not in capsys.readouterr().err
+    monkeypatch.setenv("LONGSFT_API_KEY", "from-env")
+    for keys, key in [({"host": "0.0.0.0", "api_key": "s3cret"}, "s3cret"), ({}, "from-env")]:
+        with running(backend, model, **keys) as server:
+            for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": key}]:
+                status, r = call(server, "GET", "/v1/models", None, headers)
+                assert status == 401 and r["error"]["code"] == "invalid_api_key"
+                assert call(server, headers=headers)[0] == 401
+            assert call(server, "GET", "/health", None)[0] == 200
+            assert call(server, "GET", "/v1/models", None, {"Authorization": f"Bearer {key}"})[0] == 200
+            assert call(server, headers={"Authorization": f"Bearer {key}"})[0] == 200
+
+
+def test_port_in_use_exits_2_before_the_model_loads(model, capsys, monkeypatch):
+    from longsft.eval import backends
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(backends.HFBackend, "__init__", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = run_cli(capsys, "serve", f"model={model}", "tokenizer=qwen", f"port={port}")
+    assert code == 2 and err.strip() == f"longsft: port {port} on 127.0.0.1 is already in use (another server?); " \
+                                        "choose another with port="
+
+
+@pytest.mark.parametrize("arg, says", [("port=70000", "port=70000"), ("port=-1", "port=-1"),
+                                       ("max_body_bytes=-1", "max_body_bytes"), ("max_new_tokens=0", "max_new_tokens"),
+                                       ("timeout=0", "timeout"), ("workers=0", "workers"),
+                                       ("max_queue=-3", "max_queue"),
+                                       ("max_pending=0", "max_pending"), ("temperature=3", "temperature"),
+                                       ("dtype=fp16", "dtype"), ("api_key=", "api_key"), ("portt=1", "port"),
+                                       ("host=no.such.host.invalid", "host=no.such.host.invalid")])
+def test_bad_settings_are_one_line_errors(arg, says, model, capsys):
+    code, out, err = run_cli(capsys, "serve", f"model={model}", "tokenizer=qwen", "port=0", arg)
+    assert code == 2 and err.startswith("longsft: ") and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_model_is_required(capsys):
+    code, _, err = run_cli(capsys, "serve", "port=0")
+    assert code == 2 and "model= is required" in err
