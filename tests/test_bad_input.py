@@ -316,3 +316,16 @@ def test_an_override_that_contains_itself(capsys):
 
     code, _, err = run_cli(capsys, "config", "recipe=tiny", "stages=&a [*a]")
     assert code == 2 and "override 'stages=&a [*a]': a YAML alias refers to itself" in err, err
+
+
+def test_first_run_says_it_builds_cpu_adam(tmp_path, monkeypatch, capsys):
+    from longsft.train.engine import _say_if_building_cpu_adam
+
+    ds = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "optimizer": {"params": {}}}
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    _say_if_building_cpu_adam(ds)
+    assert "building DeepSpeed's CPU Adam extension once" in capsys.readouterr().out
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    _say_if_building_cpu_adam(ds)
+    assert capsys.readouterr().out == ""

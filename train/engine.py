@@ -126,8 +126,23 @@ def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
     o = cfg.optim
     sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
         opt, lr_lambda(o.scheduler, total_steps, o.warmup_steps, o.min_lr_ratio))
+    _say_if_building_cpu_adam(ds_config)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=copy.deepcopy(ds_config), lr_scheduler=sched)
     register_fused_loss(engine.module)  # model.loss_kernel=liger: the head weight, now surely partitioned
     safe_loading(engine)
     return engine
+
+
+def _say_if_building_cpu_adam(ds_config: dict) -> None:
+    """DeepSpeed JIT-builds its CPU Adam the first time (minutes, silently): say so on rank 0."""
+    import os
+    from pathlib import Path
+
+    offload = (ds_config.get("zero_optimization") or {}).get("offload_optimizer")
+    params = (ds_config.get("optimizer") or {}).get("params") or {}
+    if not offload or params.get("torch_adam") or os.environ.get("RANK", "0") != "0":
+        return
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    if not any(root.glob("**/cpu_adam*.so")):
+        print(f"longsft: building DeepSpeed's CPU Adam extension once (1-6 minutes; cached in {root})", flush=True)
