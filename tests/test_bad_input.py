@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, TEST_OVERRIDES, torchrun
 from longsft.train.checkpoint import MANIFEST, load_resume
 from longsft.train.config import ConfigError, load_config, validate
-from longsft.train.curriculum import load_state
+from longsft.train.curriculum import check_run_dir, load_state
 from longsft.train.data import load_samples
 from longsft.train.distributed import Dist, ParallelDims
 from longsft.train.io import DataError
@@ -170,7 +170,7 @@ def test_a_folder_given_as_recipe(tmp_path, capsys):
     ("optim.lr=.inf", "'optim.lr' must be a finite number, got inf"),
     ("optim.lr=-1", "optim.lr=-1.0 must be > 0"),
     ("stages.0.epochs=nan", "'stages.0.epochs' must be a finite number"),
-    ("stages.0.lr=0", "stages.0.lr=0.0 must be > 0"),
+    ("stages.0.lr=-0.1", "stages.0.lr=-0.1 must be >= 0"),
     ("logging.log_every=0", "logging.log_every=0 must be >= 1"),
     ("optim.betas=[0.9, 1.5]", "optim.betas.1=1.5 must be in [0, 1)"),
     ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2.0 must be >= 0 and <= 1"),
@@ -202,6 +202,10 @@ def test_run_dir_that_is_someone_elses_folder_is_left_alone(tmp_path, capsys):
     code, _, err = run_cli(capsys, "train", "recipe=tiny", f"run_dir={theirs}")
     assert code == 2 and f"run_dir={theirs} exists and is not a longsft run directory (it holds plots, report.md)" in err
     assert snapshot(theirs) == before
+    submitted = tmp_path / "submitted"  # what `longsft submit` and the sbatch script leave before the run starts
+    (submitted / "submit" / "20261201-000000").mkdir(parents=True)
+    (submitted / "STOP").touch()
+    check_run_dir(load_config("tiny", [f"run_dir={submitted}"]))
     (tmp_path / "file").write_text("x")
     code, _, err = run_cli(capsys, "train", "recipe=tiny", f"run_dir={tmp_path / 'file'}")
     assert code == 2 and "is a file, not a folder" in err

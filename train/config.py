@@ -447,7 +447,7 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"stages.{i}.seq_len={s.seq_len} is too small (>= 64)")
         if s.epochs <= 0 and s.max_steps <= 0:
             raise ConfigError(f"stages.{i}: epochs or max_steps must be positive")
-        _bounds(s, f"stages.{i}.", epochs=(0, None), max_steps=(0, None), lr=(0, None, False),
+        _bounds(s, f"stages.{i}.", epochs=(0, None), max_steps=(0, None), lr=(0, None),  # 0: a frozen hand-off
                 every_steps=(0, None), save_every_steps=(0, None))
     o = cfg.optim
     _bounds(o, "optim.", lr=(0, None, False), weight_decay=(0, None), eps=(0, None, False), warmup_steps=(0, None),

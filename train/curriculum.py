@@ -22,6 +22,7 @@ from .tracker import Tracker
 
 
 RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
+PRE_RUN = {".lock", "STOP", "submit"}  # what longsft puts there before the run starts (lock, stop request, submit)
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -31,7 +32,7 @@ def check_run_dir(cfg: RunConfig) -> None:
         raise ConfigError(f"run_dir={path} is a file, not a folder")
     if not path.is_dir() or any((path / m).exists() for m in RUN_MARKERS):
         return
-    present = sorted(p.name for p in path.iterdir() if p.name != ".lock")
+    present = sorted(p.name for p in path.iterdir() if p.name not in PRE_RUN)
     if present:
         shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
         raise ConfigError(f"run_dir={path} exists and is not a longsft run directory (it holds {shown}); "
