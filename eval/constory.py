@@ -426,7 +426,7 @@ def _check_stories_out(out: Path, model: str) -> None:
 
 
 def _help() -> str:
-    from .harness import config_help
+    from longsft.train.config import config_help
 
     return config_help(ConStoryConfig, __doc__.split("\n\n", 2)[1])
 
@@ -443,7 +443,9 @@ def _unjudged(reports: list[dict]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from .harness import GenerationCache, OutputDir, _Lazy, check_model, wants_help
+    from longsft.train.config import wants_help
+
+    from .harness import GenerationCache, OutputDir, _Lazy, check_model
 
     if wants_help(argv):
         print(_help())

@@ -24,19 +24,16 @@ resumed into or replaced; a rerun of the same evaluation resumes.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import inspect
 import json
 import re
 import shutil
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.train.config import ConfigError, from_args, to_dict
+from longsft.train.config import ConfigError, config_help, from_args, to_dict
 from longsft.train.io import DataError, atomic_write_json, check_input_file, read_json, read_log, safe_name, write_jsonl
 
 from .metrics import Item, score_items
@@ -96,40 +93,11 @@ def model_name(model: str, backend: str = "hf") -> str:
     return re.sub(r"[\\\s]", "_", name) or "model"
 
 
-def config_help(cls: type, usage: str) -> str:
-    """``usage`` plus every key of dataclass ``cls`` with its default and the comment beside it."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        source = ""
-    notes = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
-
-    def shown(v) -> str:
-        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-
-    hints, rows = typing.get_type_hints(cls), []
-    for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
-        note = "; ".join(x for x in ("|".join(choices), notes.get(f.name, "")) if x)
-        rows.append((f"{f.name}={shown(default)}", note))
-    width = max(len(k) for k, _ in rows) + 2
-    return ("usage:\n" + usage.rstrip("\n") + "\n\nkeys (key=default):\n"
-            + "\n".join(f"  {k:<{width}}{n}".rstrip() for k, n in rows))
-
-
-def wants_help(argv: list[str]) -> bool:
-    return any(a in ("-h", "--help", "help") for a in argv)
-
-
 def eval_help() -> str:
     return config_help(EvalConfig, __doc__.split("\n\n", 2)[1])
 
 
 def parse_eval_args(argv: list[str]) -> EvalConfig:
-    if wants_help(argv):  # from_args takes key=value only: answer --help here, as argparse does
-        print(eval_help())
-        raise SystemExit(0)
     cfg = from_args(EvalConfig, argv, "model=PATH data=test.jsonl")
     for key in ("model", "data"):
         if not getattr(cfg, key):

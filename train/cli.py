@@ -363,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
             run(cfg)
             return 0
         if cmd == "eval":
-            from longsft.eval.harness import eval_help, parse_eval_args, run_eval, wants_help
+            from longsft.eval.harness import eval_help, parse_eval_args, run_eval
+
+            from .config import wants_help
 
             if wants_help(rest):
                 print(eval_help())

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import inspect
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -312,6 +314,32 @@ def from_args(cls: type, argv: list[str], example: str = "key=value") -> Any:
         set_path(raw, key, value)
         where[key] = f"argument {arg!r}"
     return build(cls, raw, where=where)
+
+
+def config_help(cls: type, usage: str) -> str:
+    """``usage`` plus every key of dataclass ``cls`` with its default and the comment beside it."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        source = ""
+    notes = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", source, re.M))
+
+    def shown(v) -> str:
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    hints, rows = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
+        note = "; ".join(x for x in ("|".join(choices), notes.get(f.name, "")) if x)
+        rows.append((f"{f.name}={shown(default)}", note))
+    width = max(len(k) for k, _ in rows) + 2
+    return ("usage:\n" + usage.rstrip("\n") + "\n\nkeys (key=default):\n"
+            + "\n".join(f"  {k:<{width}}{n}".rstrip() for k, n in rows))
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in ("-h", "--help", "help") for a in argv)
 
 
 def build(cls: type, raw: Any, prefix: str = "", where: dict[str, str] | None = None) -> Any:
