@@ -131,36 +131,31 @@ class Sample:
 
 def load_samples(path: str | Path) -> list[Sample]:
     """Read and validate a JSONL file; errors name the file, line and field."""
-    samples, seen = [], set()
-    for lineno, rec in iter_jsonl(path):
-        s = _parse_record(rec, f"{path}:{lineno}")
-        if s.id in seen:
-            raise DataError(f"{path}:{lineno}: duplicate id {s.id!r}")
-        seen.add(s.id)
-        samples.append(s)
-    if not samples:
-        raise DataError(f"{path}: no samples")
-    return samples
+    return [_parse_record(rec, where) for where, rec in _checked_records(path)]
 
 
 def read_records(path: str | Path, required: tuple[str, ...] = ("id", "language", "article", "summary")) -> list[dict]:
     """The raw records of a samples file for the data commands, checked as :func:`check_sample`
     does (with ``required`` fields), ids unique; errors name the file and line."""
-    recs, seen = [], {}
+    return [rec for _, rec in _checked_records(path, required)]
+
+
+def _checked_records(path: str | Path, required: tuple[str, ...] = ("id", "language", "article", "summary")):
+    """Yield ('file:line', record) after :func:`check_sample`; a repeated id or no record is a DataError."""
+    seen: dict = {}
     for lineno, rec in iter_jsonl(path):
         where = f"{path}:{lineno}"
         check_sample(rec, where, required)
         if rec["id"] in seen:
             raise DataError(f"{where}: duplicate id {rec['id']!r} (also on line {seen[rec['id']]})")
         seen[rec["id"]] = lineno
-        recs.append(rec)
-    if not recs:
+        yield where, rec
+    if not seen:
         raise DataError(f"{path}: no samples")
-    return recs
 
 
 def _parse_record(rec: dict, where: str) -> Sample:
-    check_sample(rec, where)
+    """One record already checked by :func:`check_sample` -> Sample (its training target rendered)."""
     lang = rec["language"]
     if "gold_score" in rec:
         score = rec["gold_score"]
