@@ -19,10 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> None:
-    from longsft.train.extend import build, format_stats, parse_buckets
-    from longsft.train.model import qwen_tokenizer
-    from longsft.train.sample_data import synthetic_book
     from machine import describe, write_result
+
+    from longsft.train.datagen.extend import build, format_stats, parse_buckets
+    from longsft.train.datagen.sample_data import synthetic_book
+    from longsft.train.model.build import qwen_tokenizer
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--chars", type=int, default=10_000_000)

@@ -35,8 +35,9 @@ def timed(fn, reps: int = 3) -> float:
 
 
 def main() -> None:
-    from longsft.train import sequence_parallel as sp
     from machine import describe
+
+    from longsft.train.parallel.ring import zigzag_ring_attention
 
     assert torch.cuda.is_available(), "needs a GPU"
     h, hk, dh = 32, 8, 128
@@ -51,12 +52,12 @@ def main() -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
 
         def ring():
-            sp.zigzag_ring_attention(q, k, v).backward(dout)
+            zigzag_ring_attention(q, k, v).backward(dout)
 
         flops = 2 * 2 * s * s * h * dh / 2 * 3.5
         t_sdpa, t_ring = timed(sdpa), timed(ring)
         with torch.no_grad():
-            err = ((sp.zigzag_ring_attention(q, k, v).float() -
+            err = ((zigzag_ring_attention(q, k, v).float() -
                     F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float()).norm() /
                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float().norm()).item()
         rows.append({"tokens": s, "sdpa_s": t_sdpa, "ring_s": t_ring, "sdpa_tflops": flops / t_sdpa / 1e12,

@@ -36,7 +36,8 @@ def rel(a, b) -> float:
 
 
 def check_ring(device: str) -> dict:
-    from longsft.train import sequence_parallel as sp
+    from longsft.train.parallel.kernels import block_kernel
+    from longsft.train.parallel.ring import zigzag_ring_attention
 
     out = {}
     dtypes = [torch.bfloat16, torch.float16, torch.float32] if device == "cuda" else [torch.float32]
@@ -49,12 +50,12 @@ def check_ring(device: str) -> dict:
         want = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)  # fp32 reference
         want.backward(dout)
         got = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        res = sp.zigzag_ring_attention(*got)
+        res = zigzag_ring_attention(*got)
         res.backward(dout.to(dtype))
         errs = {"out": rel(res, want), "dq": rel(got[0].grad, ref[0].grad), "dk": rel(got[1].grad, ref[1].grad),
                 "dv": rel(got[2].grad, ref[2].grad)}
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        out[str(dtype).split(".")[1]] = {"kernel": sp.block_kernel(device, dtype).name, **errs,
+        out[str(dtype).split(".")[1]] = {"kernel": block_kernel(device, dtype).name, **errs,
                                          "pass": max(errs.values()) < tol}
     return out
 
@@ -62,7 +63,7 @@ def check_ring(device: str) -> dict:
 def check_nccl_device() -> dict:
     import torch.distributed as dist
 
-    from longsft.train import comm
+    from longsft.train.parallel import comm
 
     os.environ.update(onestep.rendezvous_env())
     dist.init_process_group("nccl")
@@ -81,7 +82,7 @@ def check_nccl_device() -> dict:
 
 
 def check_liger_zero_rows() -> dict:
-    from longsft.train.loss import FusedHeadLoss
+    from longsft.train.model.loss import FusedHeadLoss
 
     head = torch.nn.Linear(1024, 151936, bias=False, device="cuda", dtype=torch.bfloat16)
     hidden = torch.zeros(0, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -92,10 +93,10 @@ def check_liger_zero_rows() -> dict:
 
 
 def check_last_hidden_state(device: str) -> dict:
-    from longsft.train import loss as L
     from longsft.train.config import load_config
-    from longsft.train.distributed import Dist, ParallelDims
-    from longsft.train.model import build_model
+    from longsft.train.model import loss as L
+    from longsft.train.model.build import build_model
+    from longsft.train.parallel.distributed import Dist, ParallelDims
 
     layers, hidden, seq = (28, 1024, 16384) if device == "cuda" else (2, 64, 256)
     cfg = load_config("tiny", ["model.dtype=bf16" if device == "cuda" else "model.dtype=fp32",

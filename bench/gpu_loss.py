@@ -31,9 +31,9 @@ SHAPE = ["model.config.hidden_size=1024", "model.config.intermediate_size=3072",
 
 def run(zero3: bool, kernel: str, chunk: int, dtype: str, seq: int, device: str) -> dict:
     from longsft.train.config import load_config
-    from longsft.train.data import IGNORE
-    from longsft.train.loss import token_loss_sum
-    from longsft.train.model import build_model
+    from longsft.train.data.encoding import IGNORE
+    from longsft.train.model.build import build_model
+    from longsft.train.model.loss import token_loss_sum
 
     # the kernel in the config too: build_model attaches Liger's loss module before ZeRO-3 hooks the model
     cfg = load_config("tiny", [*SHAPE, f"model.dtype={dtype}", f"stages.0.seq_len={seq}", f"model.loss_kernel={kernel}"])
@@ -76,7 +76,7 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     os.environ.update(onestep.rendezvous_env())
-    from longsft.train import distributed
+    from longsft.train.parallel import distributed
 
     distributed.init(1)
     dtype, seq = ("fp32", 512) if a.smoke else ("bf16", 8192)

@@ -64,8 +64,8 @@ def matmul_peak(device: str, dtype) -> float:
 def worker(seq: int, out: str, args: list[str]) -> None:
     import torch
 
-    from longsft.train import distributed
     from longsft.train.config import load_config
+    from longsft.train.parallel import distributed
 
     cfg = load_config("tiny", args)
     d = distributed.init(1)
@@ -125,7 +125,6 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=None)
     a = ap.parse_args()
     import torch
-
     from machine import nominal_bf16_tflops
 
     from longsft.train.config import load_config

@@ -51,9 +51,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
-    from longsft.train import distributed
     from longsft.train.config import load_config
-    from longsft.train.model import build_model
+    from longsft.train.model.build import build_model
+    from longsft.train.parallel import distributed
 
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     shape, dtype = (SMOKE, "fp32") if a.smoke else (QWEN3_1_7B, "bf16")

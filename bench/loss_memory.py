@@ -44,7 +44,6 @@ def run(n: int, hidden: int, vocab: int, chunk: int) -> tuple[float, float]:
 
 def main() -> None:
     import numpy as np
-
     from machine import write_result
 
     ap = argparse.ArgumentParser()

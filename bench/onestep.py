@@ -24,9 +24,10 @@ def one_sequence(cfg, seq: int, d, answer: int = ANSWER) -> dict:
     """One sequence of ``seq`` random token ids, the last ``answer`` of them targets, as a batch."""
     import torch
 
-    from longsft.train.data import IGNORE, Encoded, Sample
-    from longsft.train.model import build_hf_config
-    from longsft.train.trainer import make_batch
+    from longsft.train.data.encoding import IGNORE, Encoded
+    from longsft.train.data.schema import Sample
+    from longsft.train.model.build import build_hf_config
+    from longsft.train.training.trainer import make_batch
 
     vocab = build_hf_config(cfg.model).vocab_size
     ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -38,8 +39,8 @@ def zero3_engine(cfg, total_steps: int):
     """The trainer's DeepSpeed engine for ``cfg`` on one rank (the HF config object kept alive with it)."""
     from transformers.integrations import HfDeepSpeedConfig
 
-    from longsft.train.engine import build_ds_config, build_engine
-    from longsft.train.model import build_hf_config, build_model
+    from longsft.train.model.build import build_hf_config, build_model
+    from longsft.train.training.engine import build_ds_config, build_engine
 
     ds = build_ds_config(cfg, cfg.stages[0], 1, build_hf_config(cfg.model).hidden_size)
     hf_ds = HfDeepSpeedConfig(ds)  # alive while the model is built: ZeRO-3 partitions as it loads
@@ -50,7 +51,7 @@ def zero3_engine(cfg, total_steps: int):
 
 def step(engine, cfg, batch) -> tuple[float, int]:
     """One optimizer step (grad_accum 1) exactly as the trainer takes it; returns (loss sum, targets)."""
-    from longsft.train.loss import backward_scale, token_loss_sum
+    from longsft.train.model.loss import backward_scale, token_loss_sum
 
     m = cfg.model
     loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)

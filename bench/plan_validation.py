@@ -39,8 +39,8 @@ def _status_kib(key: str) -> int:
 
 
 def worker(seq: int, out: str, overrides: list[str]) -> None:
-    from longsft.train import distributed
     from longsft.train.config import load_config
+    from longsft.train.parallel import distributed
 
     cfg = load_config("tiny", [*overrides, f"stages.0.seq_len={seq}"])
     d = distributed.init(1)

@@ -22,8 +22,9 @@ TEMPLATES = ['{{"score": {s}, "reason": "ok"}}', '<think>hmm</think>```json\n{{"
 
 
 def main() -> None:
-    from longsft.eval.metrics import Item, score_items
     from machine import write_result
+
+    from longsft.eval.scoring.metrics import Item, score_items
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100_000)

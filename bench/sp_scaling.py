@@ -33,12 +33,14 @@ def _rss_kib() -> int:
 def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     import torch
 
-    from longsft.train import comm, distributed, sequence_parallel
     from longsft.train.config import load_config
-    from longsft.train.data import IGNORE, Encoded, Sample
-    from longsft.train.loss import token_loss_sum
-    from longsft.train.model import build_model
-    from longsft.train.trainer import make_batch
+    from longsft.train.data.encoding import IGNORE, Encoded
+    from longsft.train.data.schema import Sample
+    from longsft.train.model.build import build_model
+    from longsft.train.model.loss import token_loss_sum
+    from longsft.train.parallel import comm, distributed
+    from longsft.train.parallel.attention import active
+    from longsft.train.training.trainer import make_batch
 
     sp = int(os.environ["WORLD_SIZE"])
     d = distributed.init(sp)
@@ -50,7 +52,7 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     batch, _ = make_batch([item], 0, d)
 
     def step() -> None:
-        with sequence_parallel.active():
+        with active():
             loss, n = token_loss_sum(model, batch)
             (loss / n).backward()
         model.zero_grad(set_to_none=True)

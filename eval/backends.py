@@ -30,8 +30,8 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from longsft.train.config import ConfigError
-        from longsft.train.model import build_hf_config, build_tokenizer
+        from longsft.train.common.errors import ConfigError
+        from longsft.train.model.build import build_hf_config, build_tokenizer
 
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         try:
@@ -85,7 +85,7 @@ def vllm_engine_args(model_cfg, max_model_len: int = 0, tensor_parallel: int = 1
     ``rope_scaling`` override replaces ``rope_parameters`` whole and drops ``rope_theta`` (Qwen3-8B:
     1e6 -> None). ``max_model_len`` 0 lets vLLM derive it from those rope parameters.
     """
-    from longsft.train.model import build_hf_config
+    from longsft.train.model.build import build_hf_config
 
     kw: dict = {"model": model_cfg.path, "tensor_parallel_size": tensor_parallel,
                 "tokenizer": model_cfg.tokenizer if model_cfg.tokenizer not in (None, "qwen") else None,
@@ -112,7 +112,7 @@ class VLLMBackend:
         try:
             from vllm import LLM, SamplingParams
         except ImportError:
-            from longsft.train.config import ConfigError
+            from longsft.train.common.errors import ConfigError
 
             raise ConfigError("backend=vllm needs vLLM on a GPU machine: pip install 'longsft[vllm]'") from None
         self.llm = LLM(**vllm_engine_args(model_cfg, max_model_len, tensor_parallel))
@@ -134,7 +134,7 @@ class OpenAIBackend:
 
     def __init__(self, model: str, base_url: str, max_new_tokens: int, api_key_env: str = "OPENAI_API_KEY",
                  requests_per_minute: float = 0.0, retries: int = 4):
-        from longsft.train.llm import Endpoint
+        from longsft.train.common.llm import Endpoint
 
         self.ep = Endpoint(model, base_url.rstrip("/"), api_key_env)
         self.max_new_tokens, self.retries = max_new_tokens, retries
@@ -142,7 +142,7 @@ class OpenAIBackend:
         self._last = 0.0
 
     def generate(self, prompt: str) -> Generation:
-        from longsft.train.llm import chat_full
+        from longsft.train.common.llm import chat_full
 
         t0, error = time.time(), None
         for attempt in range(self.retries + 1):

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.train.config import ConfigError, from_args
-from longsft.train.io import DataError, atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
-
-from .judgement import extract_json_object
+from longsft.eval.scoring.judgement import extract_json_object
+from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.io import atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
+from longsft.train.config import from_args
 
 # Five categories, 19 subtypes (our reading of the paper's taxonomy).
 TAXONOMY = {
@@ -366,7 +366,7 @@ class ConStoryConfig:
 
 
 def _backend(cfg: ConStoryConfig, model: str):
-    from .harness import EvalConfig, make_backend
+    from longsft.eval.harness import EvalConfig, make_backend
 
     return make_backend(EvalConfig(model=model, data="-", backend=cfg.backend, base_url=cfg.base_url,
                                    tokenizer=cfg.tokenizer, recipe=cfg.recipe, max_new_tokens=cfg.max_new_tokens))
@@ -443,9 +443,8 @@ def _unjudged(reports: list[dict]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from longsft.eval.harness import GenerationCache, OutputDir, _Lazy, check_model
     from longsft.train.config import wants_help
-
-    from .harness import GenerationCache, OutputDir, _Lazy, check_model
 
     if wants_help(argv):
         print(_help())

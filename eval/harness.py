@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.train.config import ConfigError, config_help, from_args, to_dict
-from longsft.train.io import DataError, atomic_write_json, check_input_file, read_json, read_log, safe_name, write_jsonl
-
-from .metrics import Item, score_items
+from longsft.eval.scoring.metrics import Item, score_items
+from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.io import atomic_write_json, check_input_file, read_json, read_log, safe_name, write_jsonl
+from longsft.train.config import config_help, from_args, to_dict
 
 
 @dataclass
@@ -196,7 +196,7 @@ def model_config(cfg: EvalConfig):
 
 
 def make_backend(cfg: EvalConfig):
-    from .backends import HFBackend, OpenAIBackend, VLLMBackend
+    from longsft.eval.backends import HFBackend, OpenAIBackend, VLLMBackend
 
     if cfg.backend == "openai":
         return OpenAIBackend(cfg.model, cfg.base_url, cfg.max_new_tokens, cfg.api_key_env, cfg.requests_per_minute,
@@ -256,7 +256,7 @@ def _generate(cfg: EvalConfig, cache: GenerationCache, backend: _Lazy, sid: str,
 
 
 def run_eval(cfg: EvalConfig) -> dict:
-    from longsft.train.data import load_samples
+    from longsft.train.data.schema import load_samples
 
     samples = load_samples(cfg.data)
     if cfg.limit:
@@ -292,7 +292,7 @@ class OutputDir:
 def _run(cfg: EvalConfig, samples: list, cache: GenerationCache) -> dict:
     from tqdm import tqdm
 
-    from longsft.train.data import render_prompt
+    from longsft.train.data.prompts import render_prompt
 
     backend = _Lazy(lambda: make_backend(cfg))
     rag = RagMethod(cfg) if cfg.method == "rag" else None
@@ -324,9 +324,8 @@ class RagMethod:
     """Per item: segment prompts on their windows, escalations on the full document (see eval/rag.py)."""
 
     def __init__(self, cfg: EvalConfig, embedder=None, tokenizer=None):
-        from longsft.train.model import qwen_tokenizer
-
-        from .rag import make_embedder
+        from longsft.eval.rag import make_embedder
+        from longsft.train.model.build import qwen_tokenizer
 
         self.cfg = cfg
         self.embedder = embedder or make_embedder(cfg.embedder)
@@ -337,10 +336,9 @@ class RagMethod:
     def predict(self, s, generate) -> tuple[str, list[dict]]:
         from dataclasses import replace
 
-        from longsft.train.data import render_prompt
-
-        from .judgement import parse_judgement
-        from .rag import combine, plan
+        from longsft.eval.rag import combine, plan
+        from longsft.eval.scoring.judgement import parse_judgement
+        from longsft.train.data.prompts import render_prompt
 
         p = plan(s.article, s.summary, self.embedder)
         recs, finals, prompts = [], [], []

@@ -12,13 +12,12 @@ import csv
 import json
 from pathlib import Path
 
-from longsft.train.config import ConfigError
-from longsft.train.io import atomic_write_text
-
-from .bootstrap import paired_bootstrap
-from .judgement import TYPES
-from .metrics import bucket_order, labels
-from .score import load_predictions
+from longsft.eval.scoring.bootstrap import paired_bootstrap
+from longsft.eval.scoring.judgement import TYPES
+from longsft.eval.scoring.metrics import bucket_order, labels
+from longsft.eval.scoring.score import load_predictions
+from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import atomic_write_text
 
 
 def find_eval_runs(dirs: list[str | Path]) -> list[Path]:

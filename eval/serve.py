@@ -45,7 +45,8 @@ from pathlib import Path
 from socketserver import TCPServer
 from typing import Any, Literal
 
-from longsft.train.config import ConfigError, from_args
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import from_args
 
 API_KEY_ENV = "LONGSFT_API_KEY"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -565,8 +566,8 @@ def build(cfg: ServeConfig, backend=None) -> Server:
             print(f"longsft serve: warning: {server.server_address[0]} is reachable from other machines; {risk}",
                   file=sys.stderr, flush=True)
         if backend is None:
-            from .backends import HFBackend
-            from .harness import EvalConfig, model_config
+            from longsft.eval.backends import HFBackend
+            from longsft.eval.harness import EvalConfig, model_config
 
             backend = HFBackend(model_config(EvalConfig(model=cfg.model, tokenizer=cfg.tokenizer, recipe=cfg.recipe)),
                                 cfg.max_new_tokens, enable_thinking=cfg.enable_thinking, dtype=cfg.dtype)

@@ -18,14 +18,14 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_exten
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from longsft.train.model import qwen_tokenizer
+    from longsft.train.model.build import qwen_tokenizer
 
     return qwen_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def sample_dir(tmp_path_factory, tokenizer):
-    from longsft.train.sample_data import write_sample_data
+    from longsft.train.datagen.sample_data import write_sample_data
 
     out = tmp_path_factory.mktemp("sample")
     write_sample_data(out, tokenizer, ["512", "1k"], n_per_language=6, n_validation=2)

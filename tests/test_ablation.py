@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from longsft.train.ablation import build_ablation, parse_sizes
-from longsft.train.io import DataError
-from longsft.train.sweep import check_sweep
+from longsft.train.cluster.sweep import check_sweep
+from longsft.train.common.errors import DataError
+from longsft.train.datagen.ablation import build_ablation, parse_sizes
 
 
 def tagged(n_articles=16, seed=0):

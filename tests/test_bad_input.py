@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import ROOT, TEST_OVERRIDES, torchrun
-from longsft.train.checkpoint import MANIFEST, load_resume
-from longsft.train.config import ConfigError, load_config, validate
-from longsft.train.curriculum import check_run_dir, load_state
-from longsft.train.data import load_samples
-from longsft.train.distributed import Dist, ParallelDims
-from longsft.train.io import DataError
+
+from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.config import load_config, validate
+from longsft.train.data.schema import load_samples
+from longsft.train.parallel.distributed import Dist, ParallelDims
+from longsft.train.training.checkpoint import MANIFEST, load_resume
+from longsft.train.training.curriculum import check_run_dir, load_state
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 
@@ -114,7 +114,7 @@ def test_cross_field_stage_names_and_model():
     ('{"id": 1, "prediction": "x", "gold_score": 7}', "pred.jsonl:1: gold_score must be an integer 0..5, got 7"),
 ])
 def test_predictions_to_score(tmp_path, line, message):
-    from longsft.eval.score import load_predictions
+    from longsft.eval.scoring.score import load_predictions
 
     (tmp_path / "pred.jsonl").write_text(line + "\n")
     with pytest.raises(DataError) as e:
@@ -123,7 +123,7 @@ def test_predictions_to_score(tmp_path, line, message):
 
 
 def test_report_of_a_folder_without_runs(tmp_path):
-    from longsft.train.report import aggregate
+    from longsft.train.training.report import aggregate
 
     with pytest.raises(ConfigError, match="neither a run directory nor a folder of run directories"):
         aggregate([tmp_path])
@@ -231,7 +231,7 @@ def _fake_run(run_dir, cfg_overrides=(), trained=False):
 
 
 def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path):
-    from longsft.train.curriculum import check_resolved_config
+    from longsft.train.training.curriculum import check_resolved_config
 
     _fake_run(tmp_path / "run", ["optim.lr=1e-3"])
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'run'}", "optim.lr=1e-4"])) is True
@@ -323,7 +323,7 @@ def test_an_override_that_contains_itself(capsys):
 
 
 def test_first_run_says_it_builds_cpu_adam(tmp_path, monkeypatch, capsys):
-    from longsft.train.engine import _say_if_building_cpu_adam
+    from longsft.train.training.engine import _say_if_building_cpu_adam
 
     ds = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "optimizer": {"params": {}}}
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))

@@ -10,13 +10,13 @@ import shutil
 import time
 
 import pytest
-
 from conftest import free_port, run_cli, snapshot
-from longsft.train.data import load_samples
-from longsft.train.extend import build, parse_buckets
-from longsft.train.io import DataError
-from longsft.train.sample_data import synthetic_book
 from test_ablation import tagged
+
+from longsft.train.common.errors import DataError
+from longsft.train.data.schema import load_samples
+from longsft.train.datagen.extend import build, parse_buckets
+from longsft.train.datagen.sample_data import synthetic_book
 
 BUCKETS = "t=100:400"
 BINARY = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe" * 8

@@ -11,7 +11,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-
 from conftest import run_cli, snapshot
 
 EVAL = ["tokenizer=qwen", "max_new_tokens=2", "bootstrap=0", "progress=false"]
@@ -172,7 +171,8 @@ def test_eval_into_a_folder_that_holds_something_else(model, data, tmp_path, cap
 def test_an_older_eval_folder_resumes_with_its_own_settings_only(data, tmp_path, monkeypatch):
     """A config.json from before identities were recorded: compared with the settings as given."""
     from longsft.eval.harness import check_out_dir, parse_eval_args
-    from longsft.train.config import ConfigError, to_dict
+    from longsft.train.common.errors import ConfigError
+    from longsft.train.config import to_dict
 
     monkeypatch.chdir(tmp_path)
     args = ["model=runs/A/stages/s1/best", "data=d.jsonl", "out=o"]

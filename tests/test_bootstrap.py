@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
 
-from longsft.eval.bootstrap import bootstrap_ci, from_counts, paired_bootstrap, replicate_counts
+from longsft.eval.scoring.bootstrap import bootstrap_ci, from_counts, paired_bootstrap, replicate_counts
 
 
 def _data(n=600, seed=1, acc=0.75):

@@ -2,8 +2,8 @@
 
 import json
 
-from longsft.train.checkpoint import MANIFEST, latest_resume
-from longsft.train.io import atomic_write_json, recover_dir, replace_dir
+from longsft.train.common.io import atomic_write_json, recover_dir, replace_dir
+from longsft.train.training.checkpoint import MANIFEST, latest_resume
 
 
 def test_latest_resume_ignores_tags_without_manifest(tmp_path):
@@ -40,7 +40,7 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 
 
 def test_damage_names_what_is_wrong_with_a_checkpoint(tmp_path):
-    from longsft.train.checkpoint import complete_tags, damage
+    from longsft.train.training.checkpoint import complete_tags, damage
 
     tag = tmp_path / "ckpt" / "step_0000004"
     tag.mkdir(parents=True)

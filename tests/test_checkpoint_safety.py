@@ -12,12 +12,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROOT, TEST_OVERRIDES, assert_same_run, torchrun
-from longsft.train import checkpoint
-from longsft.train.distributed import Dist, ParallelDims
-from longsft.train.io import UMASK, DataError
-from longsft.train.preempt import EXIT_STOPPED, STOP_FILE
+
+from longsft.train.common.errors import DataError
+from longsft.train.common.io import UMASK
+from longsft.train.parallel.distributed import Dist, ParallelDims
+from longsft.train.training import checkpoint
+from longsft.train.training.preempt import EXIT_STOPPED, STOP_FILE
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 ARGS = ["recipe=tiny", "parallel.sp_size=1", *TEST_OVERRIDES[:-1],
@@ -129,7 +130,7 @@ def test_safe_loading_refuses_what_it_does_not_know(monkeypatch):
     import deepspeed
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from longsft.train.config import ConfigError
+    from longsft.train.common.errors import ConfigError
 
     class Engine:
         def __init__(self, ce, universal=False):

@@ -1,8 +1,8 @@
-"""Collectives: one helper module (train/comm.py) puts every tensor on the device its backend serves.
+"""Collectives: one helper module (train/parallel/comm.py) puts every tensor on the device its backend serves.
 
 A GPU run uses NCCL, which serves CUDA tensors only; a CPU tensor all-reduced there fails at the
 first optimizer step. CPU runs (gloo) cannot show that, so the guard is structural: no module of
-longsft but ``train/comm.py`` may call a ``torch.distributed`` collective.
+longsft but ``train/parallel/comm.py`` may call a ``torch.distributed`` collective.
 """
 
 import ast
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
 
 COLLECTIVES = {
@@ -20,7 +19,7 @@ COLLECTIVES = {
     "gather_object", "scatter_object_list", "send_object_list", "recv_object_list", "all_reduce_coalesced"}
 SCANNED = ("train", "eval", "launch", "bench")
 # comm.py itself; gpu_checks.py calls NCCL directly on purpose, to show it refuses a CPU tensor
-ALLOWED = {Path("train/comm.py"), Path("bench/gpu_checks.py")}
+ALLOWED = {Path("train/parallel/comm.py"), Path("bench/gpu_checks.py")}
 
 
 def collective_calls(source: str) -> list[tuple[int, str]]:
@@ -69,13 +68,13 @@ def test_only_the_comm_module_calls_collectives():
             if rel in ALLOWED:
                 continue
             offenders += [f"{rel}:{line}: {name}" for line, name in collective_calls(path.read_text())]
-    assert not offenders, ("collectives outside train/comm.py (route them through it, so their tensors are made "
+    assert not offenders, ("collectives outside train/parallel/comm.py (route them through it, so their tensors are made "
                            "on the backend's device):\n" + "\n".join(offenders))
-    assert collective_calls((ROOT / "train" / "comm.py").read_text()), "the scanner no longer sees comm.py's calls"
+    assert collective_calls((ROOT / "train" / "parallel" / "comm.py").read_text()), "the scanner no longer sees comm.py's calls"
 
 
 def test_a_cpu_tensor_on_nccl_is_refused_with_the_fix():
-    from longsft.train.comm import check_device, device_type_for
+    from longsft.train.parallel.comm import check_device, device_type_for
 
     assert device_type_for("nccl") == "cuda" and device_type_for("gloo") is None
     with pytest.raises(RuntimeError, match="ring block is on cpu but the nccl process group only serves cuda"):
@@ -85,7 +84,7 @@ def test_a_cpu_tensor_on_nccl_is_refused_with_the_fix():
 
 
 def test_values_come_back_as_numbers_without_a_group():
-    from longsft.train import comm
+    from longsft.train.parallel import comm
 
     assert comm.all_reduce(torch.tensor([1.5, 2.0])) == [1.5, 2.0]
     assert comm.max_over_ranks(7) == 7 and comm.all_gather_objects({"a": 1}) == [{"a": 1}]

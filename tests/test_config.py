@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from longsft.train.config import ConfigError, load_config, parse_override, shipped_recipes, validate
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import load_config, parse_override, shipped_recipes, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,12 +6,11 @@ import subprocess
 import sys
 
 import pytest
-
 from llm_server import Server
-from longsft.eval.constory import (Judge, check_story, count_words, fractional_ranks, metrics, paragraphs,
-                                   _windows)
-from longsft.eval.harness import GenerationCache, _Lazy
+
 from longsft.eval.backends import OpenAIBackend
+from longsft.eval.constory import Judge, _windows, check_story, count_words, fractional_ranks, metrics, paragraphs
+from longsft.eval.harness import GenerationCache, _Lazy
 
 FILLER_EN = "The rain kept falling on the old town, and the river rose a little more each night."
 FILLER_ZH = "雨一直下着，小镇的河水每晚都涨高一点。"

@@ -10,10 +10,10 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import ROOT, TEST_OVERRIDES, assert_same_run, free_port, torchrun
 from safetensors.torch import load_file
 
-from conftest import ROOT, TEST_OVERRIDES, assert_same_run, free_port, torchrun
-from longsft.train.checkpoint import complete_tags, latest_resume
+from longsft.train.training.checkpoint import complete_tags, latest_resume
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 # stage c trains with lr 0 from b's best: its output must be b's best, bit for bit

@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from longsft.train.data import (IGNORE, Encoded, Sample, StepSampler, collate, encode, load_samples, pack,
-                                prompt_ids, render_prompt)
-from longsft.train.io import DataError
+from longsft.train.common.errors import DataError
+from longsft.train.data.batching import StepSampler, collate, pack
+from longsft.train.data.encoding import IGNORE, Encoded, encode, prompt_ids
+from longsft.train.data.prompts import render_prompt
+from longsft.train.data.schema import Sample, load_samples
 
 REC = {"id": "x1", "language": "en", "article": "Arthur led 300 soldiers to Ravenford. " * 5,
        "summary": "Arthur led 300 soldiers to Ravenford.", "gold_score": 2, "types": ["Numeric"],

@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
-from longsft.train.config import ConfigError, ModelConfig, load_config
-from longsft.train.engine import build_ds_config, lr_lambda
-from longsft.train.model import build_hf_config, check_attention_routable
-from longsft.train.validation import is_better
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import ModelConfig, load_config
+from longsft.train.model.build import build_hf_config, check_attention_routable
+from longsft.train.training.engine import build_ds_config, lr_lambda
+from longsft.train.training.validation import is_better
 
 
 def test_ds_config_auto_values_filled_from_recipe():
@@ -117,7 +118,7 @@ def _saved_bytes(model, tokens: int = 256) -> int:
 
 def test_loaded_model_trains_with_checkpointing(tiny_model_dir):
     """from_pretrained returns eval mode, where transformers skips checkpointing; build_model must not."""
-    from longsft.train.model import build_model
+    from longsft.train.model.build import build_model
 
     path = str(tiny_model_dir())
     on = build_model(ModelConfig(path=path, tokenizer="qwen", dtype="fp32", gradient_checkpointing=True))

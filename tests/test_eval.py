@@ -8,13 +8,14 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, free_port
-from longsft.eval.bootstrap import bootstrap_ci
+
 from longsft.eval.harness import EvalConfig, model_config, parse_eval_args
-from longsft.eval.metrics import labels
-from longsft.eval.score import load_predictions
-from longsft.train.config import ConfigError, load_config
+from longsft.eval.scoring.bootstrap import bootstrap_ci
+from longsft.eval.scoring.metrics import labels
+from longsft.eval.scoring.score import load_predictions
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import load_config
 
 CLI = [sys.executable, "-m", "longsft.train.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")

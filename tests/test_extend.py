@@ -9,9 +9,9 @@ from importlib import resources
 
 import pytest
 
-from longsft.train.extend import SEP, Builder, build, parse_buckets, read_books
-from longsft.train.io import DataError
-from longsft.train.sample_data import synthetic_book
+from longsft.train.common.errors import DataError
+from longsft.train.datagen.extend import SEP, Builder, build, parse_buckets, read_books
+from longsft.train.datagen.sample_data import synthetic_book
 
 BUCKETS = "a=5000:9000,b=12000:20000,c=30000:40000"
 

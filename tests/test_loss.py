@@ -6,8 +6,10 @@ import importlib.util
 import pytest
 import torch
 
-from longsft.train.data import collate, encode_all, load_samples
-from longsft.train.loss import token_loss_sum
+from longsft.train.data.batching import collate
+from longsft.train.data.encoding import encode_all
+from longsft.train.data.schema import load_samples
+from longsft.train.model.loss import token_loss_sum
 
 
 def _grads(model, batch, **kw):
@@ -41,7 +43,8 @@ def test_chunked_loss_and_offload_equal_the_naive_path(tiny_model_dir, sample_di
 
 
 def test_negative_chunk_is_refused():
-    from longsft.train.config import ConfigError, load_config, validate
+    from longsft.train.common.errors import ConfigError
+    from longsft.train.config import load_config, validate
 
     with pytest.raises(ConfigError, match="model.loss_chunk_tokens=-1 must be >= 0"):
         validate(load_config("tiny", ["model.loss_chunk_tokens=-1"]))
@@ -52,7 +55,7 @@ def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokeniz
     import dataclasses
 
     from longsft.train.config import ModelConfig
-    from longsft.train.model import build_model
+    from longsft.train.model.build import build_model
 
     base = ModelConfig(path=str(tiny_model_dir(arch)), tokenizer="qwen", dtype="fp32")
     items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:1], tokenizer, 512, "end", "truncate")
@@ -73,7 +76,8 @@ def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokeniz
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
 def test_liger_without_the_package_is_refused_with_the_fix():
-    from longsft.train.config import ConfigError, load_config, validate
+    from longsft.train.common.errors import ConfigError
+    from longsft.train.config import load_config, validate
 
     with pytest.raises(ConfigError, match="model.loss_kernel=liger needs the liger-kernel package"):
         validate(load_config("tiny", ["model.loss_kernel=liger"]))
@@ -90,7 +94,7 @@ def test_the_loss_keeps_no_layer_output_alive(tiny_model_dir, sample_dir, tokeni
     import weakref
 
     from longsft.train.config import ModelConfig
-    from longsft.train.model import build_model
+    from longsft.train.model.build import build_model
 
     model = build_model(ModelConfig(path=str(tiny_model_dir("qwen3")), tokenizer="qwen", dtype="fp32"))
     items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:1], tokenizer, 512, "end", "truncate")
@@ -133,8 +137,8 @@ def test_liger_without_targets_gives_zero_not_a_division_by_zero(liger_cpu, tiny
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     from longsft.train.config import ModelConfig
-    from longsft.train.loss import fused_head_loss
-    from longsft.train.model import build_model
+    from longsft.train.model.build import build_model
+    from longsft.train.model.loss import fused_head_loss
 
     weight = torch.randn(100, 16, requires_grad=True)
     with pytest.raises(ZeroDivisionError):  # what Liger's host code does with no rows
@@ -151,7 +155,7 @@ def test_liger_without_targets_gives_zero_not_a_division_by_zero(liger_cpu, tiny
 @pytest.mark.parametrize("arch, tied", [("qwen3", True), ("llama", False)])
 def test_liger_equals_the_naive_path(liger_cpu, tiny_model_dir, sample_dir, tokenizer, arch, tied):
     from longsft.train.config import ModelConfig
-    from longsft.train.model import build_model
+    from longsft.train.model.build import build_model
 
     model = build_model(ModelConfig(path=str(tiny_model_dir(arch, tied)), tokenizer="qwen", dtype="fp32",
                                     loss_kernel="liger"))

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from longsft.train import plan
 from longsft.train.cli import main as cli
-from longsft.train.config import ConfigError, load_config
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import load_config
 
 # published parameter counts of the recipes' models
 PUBLISHED = {"qwen3_8b": 8.19e9, "qwen3_14b": 14.8e9, "qwen3_32b": 32.8e9, "llama3_1_8b": 8.03e9,

@@ -6,11 +6,11 @@ import sys
 
 import numpy as np
 import pytest
+from test_extend import hlm_units
 
 from longsft.eval.harness import EvalConfig, RagMethod
 from longsft.eval.rag import HashingEmbedder, anchors, blocks, plan, radius, segments, windows
-from longsft.train.data import Sample
-from test_extend import hlm_units
+from longsft.train.data.schema import Sample
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_windows_radius_and_chronological_anchors(hlm):
     (["oops"], ["1"], 1),  # an invalid local answer escalates too
 ])
 def test_two_tier_decision(local, full, want_score, tokenizer):
-    from longsft.eval.judgement import parse_judgement
+    from longsft.eval.scoring.judgement import parse_judgement
 
     rag = RagMethod(EvalConfig(model="m", data="d"), HashingEmbedder(), tokenizer)
     answers = {"local": iter(local), "full": iter(full)}

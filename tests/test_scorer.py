@@ -8,8 +8,8 @@ import sys
 import pytest
 from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
 
-from longsft.eval.judgement import normalize_type, parse_judgement
-from longsft.eval.metrics import Item, binary_metrics, score_items
+from longsft.eval.scoring.judgement import normalize_type, parse_judgement
+from longsft.eval.scoring.metrics import Item, binary_metrics, score_items
 
 LONGSFT = [sys.executable, "-m", "longsft.train.cli"]
 

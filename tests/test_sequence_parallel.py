@@ -11,12 +11,16 @@ import os
 
 import pytest
 import torch
-
 from conftest import ROOT, TEST_OVERRIDES, compare_steps, torchrun
-from longsft.train.config import ConfigError, load_config, validate
-from longsft.train.data import IGNORE, Encoded, Sample, collate
-from longsft.train.distributed import ParallelDims
-from longsft.train.sequence_parallel import check_heads, shard_batch, zigzag_index
+
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import load_config, validate
+from longsft.train.data.batching import collate
+from longsft.train.data.encoding import IGNORE, Encoded
+from longsft.train.data.schema import Sample
+from longsft.train.parallel.backends import check_heads
+from longsft.train.parallel.distributed import ParallelDims
+from longsft.train.parallel.layout import shard_batch, zigzag_index
 
 STEP = str(ROOT / "tests" / "dist" / "step_grads.py")
 LAUNCH = str(ROOT / "launch" / "curriculum.py")

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
-
 from conftest import run_cli
+
 from longsft.eval.serve import ServeConfig, build
 
 CHAT = "/v1/chat/completions"

@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 import slurm_cluster
 from conftest import ROOT, TEST_OVERRIDES, assert_same_run, run_metrics, torchrun
 
@@ -89,7 +88,7 @@ def test_dry_run_writes_a_self_contained_submission(tmp_path):
     assert sorted(p.name for p in (sub / "configs").iterdir()) == ["base.yaml", "lr_low.yaml", "seed_1.yaml"]
     assert "lr: 0.001" in (sub / "configs" / "lr_low.yaml").read_text()
     # the job imports the snapshot, not the checkout
-    for f in ("train/cli.py", "eval/metrics.py", "recipes/tiny.yaml", "ds_configs/zero3_offload.json",
+    for f in ("train/cli.py", "eval/scoring/metrics.py", "recipes/tiny.yaml", "ds_configs/zero3_offload.json",
               "launch/slurm/curriculum.sbatch"):
         assert (sub / "code" / "longsft" / f).exists(), f
     snap = subprocess.run([sys.executable, "-c", "import longsft.train.cli as m; print(m.__file__)"],
@@ -203,7 +202,7 @@ def test_stop_request_by_signal_or_file(tmp_path):
     import os
     import signal
 
-    from longsft.train.preempt import STOP_FILE, StopWatch
+    from longsft.train.training.preempt import STOP_FILE, StopWatch
 
     watch = StopWatch(tmp_path, is_main=True)
     assert not watch.requested()
@@ -228,7 +227,7 @@ def test_ctrl_c_and_sigterm_are_stop_requests(tmp_path, capsys, sig):
     import os
     import signal
 
-    from longsft.train.preempt import StopWatch
+    from longsft.train.training.preempt import StopWatch
 
     watch = StopWatch(tmp_path, is_main=True)
     try:

@@ -9,15 +9,15 @@ import sys
 from collections import Counter
 
 import pytest
-
 from llm_server import Server
-from longsft.train.erhg import RuleEngine, generate, sentences
-from longsft.train.erhg import run as run_erhg
-from longsft.train.extend import build, parse_buckets
-from longsft.train.llm import Endpoint
-from longsft.train.mma import run as run_mma
-from longsft.train.sample_data import synthetic_book
 from test_extend import hlm_units
+
+from longsft.train.common.llm import Endpoint
+from longsft.train.datagen.erhg import RuleEngine, generate, sentences
+from longsft.train.datagen.erhg import run as run_erhg
+from longsft.train.datagen.extend import build, parse_buckets
+from longsft.train.datagen.mma import run as run_mma
+from longsft.train.datagen.sample_data import synthetic_book
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ DeepSpeed's gradient averaging or accumulation shows up as a factor in loss or g
 """
 
 import pytest
-
 from conftest import ROOT, compare_steps, torchrun
 
 SCRIPT = str(ROOT / "tests" / "dist" / "step_grads.py")

@@ -36,25 +36,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from .config import ConfigError, RunConfig, dump_yaml, load_config, validate
-from .io import DataError, check_output_file
-
-DEFAULT_RECIPE = "tiny"
-
-
-def parse_run_args(argv: list[str]) -> RunConfig:
-    """``recipe=NAME`` plus ``key=value`` overrides -> validated config."""
-    recipe, overrides = DEFAULT_RECIPE, []
-    for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"argument {arg!r} is not key=value (e.g. recipe=tiny optim.lr=1e-5)")
-        if arg.startswith("recipe="):
-            recipe = arg.split("=", 1)[1]
-        else:
-            overrides.append(arg)
-    cfg = load_config(recipe, overrides)
-    validate(cfg)
-    return cfg
+from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.io import check_output_file
+from longsft.train.config import dump_yaml, parse_run_args
 
 
 def _data(argv: list[str]) -> int:
@@ -97,7 +81,7 @@ def _data(argv: list[str]) -> int:
     if args.cmd in ("erhg", "mma"):
         return _synthesise(args)
     if args.cmd == "ablation":
-        from .ablation import build_ablation, parse_sizes
+        from longsft.train.datagen.ablation import build_ablation, parse_sizes
 
         m = build_ablation(args.inputs, args.out, parse_sizes(args.sizes), args.val_articles, args.test_articles,
                            args.seed)
@@ -105,11 +89,11 @@ def _data(argv: list[str]) -> int:
             print(f"{name}: " + ", ".join(f"{b} {c['n']} ({c['hallucinated']} hallucinated)" for b, c in counts.items()))
         print(f"sweep file: {args.out}/table5.sweep")
         return 0
-    from .model import qwen_tokenizer
+    from longsft.train.model.build import qwen_tokenizer
 
     if args.cmd == "extend":
-        from .extend import build, format_stats, parse_buckets
-        from .io import check_input_file
+        from longsft.train.common.io import check_input_file
+        from longsft.train.datagen.extend import build, format_stats, parse_buckets
 
         buckets = parse_buckets(args.buckets)
         check_input_file(args.units)
@@ -124,7 +108,7 @@ def _data(argv: list[str]) -> int:
                 raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load it ({str(e).splitlines()[0]})") from None
         print(format_stats(build(args.units, args.out, buckets, tok, args.resume)))
         return 0
-    from .sample_data import write_sample_data
+    from longsft.train.datagen.sample_data import write_sample_data
 
     paths = write_sample_data(args.out, qwen_tokenizer(), [b.strip() for b in args.buckets.split(",")], args.n,
                               args.n_validation, args.seed)
@@ -137,8 +121,8 @@ def _synthesise(args) -> int:
     import json
     import random
 
-    from .erhg import check_paths
-    from .llm import Cache, Endpoint, EndpointError
+    from longsft.train.common.llm import Cache, Endpoint, EndpointError
+    from longsft.train.datagen.erhg import check_paths
 
     def endpoint(spec: str) -> Endpoint:
         try:
@@ -163,11 +147,12 @@ def _synthesise(args) -> int:
     cache = args.out + ".cache.jsonl"
     try:
         if args.cmd == "mma":
-            from .mma import run as run_mma
+            from longsft.train.datagen.mma import run as run_mma
 
             stats = run_mma(args.input, args.out, *eps, args.max_gap)
         else:
-            from .erhg import LLMEngine, RuleEngine, run as run_erhg
+            from longsft.train.datagen.erhg import LLMEngine, RuleEngine
+            from longsft.train.datagen.erhg import run as run_erhg
 
             engine = LLMEngine(ep, Cache(cache)) if ep else RuleEngine(random.Random(args.seed))
             stats = run_erhg(args.input, args.out, engine, args.multi, args.seed)
@@ -198,7 +183,7 @@ def _config(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from . import plan
+    from longsft.train import plan
 
     ap = argparse.ArgumentParser(prog="longsft plan", description="predicted per-GPU peak memory of every stage")
     ap.add_argument("--gpus-per-node", type=int, default=8)
@@ -231,7 +216,7 @@ def _plan(argv: list[str]) -> int:
                   + ("each of these fits:\n  " + "\n  ".join(fixes) if fixes else
                      "no single change fits: more GPUs (nodes), a larger sp_size or a shorter seq_len"))
     if args.json:
-        from .io import atomic_write_json
+        from longsft.train.common.io import atomic_write_json
 
         atomic_write_json(args.json, plan.to_json(cfg, hw, shape, rows))
     host_ok = hw.host_gib is None or max(e.host_per_node for e in rows) <= hw.host_gib * plan.GIB
@@ -241,7 +226,7 @@ def _plan(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    from .report import read_state, status_table
+    from longsft.train.training.report import read_state, status_table
 
     if len(argv) != 1:
         raise ConfigError("usage: longsft status RUN_DIR")
@@ -258,8 +243,7 @@ def _report(argv: list[str]) -> int:
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two eval runs: paired bootstrap of B - A")
     args = ap.parse_args(argv)
     from longsft.eval.report import compare, eval_tables, find_eval_runs
-
-    from .report import aggregate
+    from longsft.train.training.report import aggregate
 
     if args.bootstrap < 0:
         raise ConfigError(f"--bootstrap {args.bootstrap}: replicates must be >= 0 (0: no intervals)")
@@ -289,7 +273,7 @@ def _sweep(argv: list[str]) -> int:
     ap.add_argument("--print0", action="store_true", help="NUL-separated (for the array script)")
     ap.add_argument("--command", choices=["train", "eval"], default="train", help="what each line runs")
     args, common = ap.parse_known_args(argv)
-    from .sweep import OUTPUT_KEY, check_sweep, load_sweep, task_args
+    from longsft.train.cluster.sweep import OUTPUT_KEY, check_sweep, load_sweep, task_args
 
     root = args.root or f"runs/sweeps/{os.path.splitext(os.path.basename(args.file))[0]}"
     if args.task is None:
@@ -305,7 +289,7 @@ def _sweep(argv: list[str]) -> int:
 
 
 def _submit(argv: list[str]) -> int:
-    from .slurm import Resources, submit
+    from longsft.train.cluster.slurm import Resources, submit
 
     ap = argparse.ArgumentParser(prog="longsft submit", description="check, snapshot and sbatch a run or sweep")
     ap.add_argument("--sweep", help="sweep file: submit an array job, one task per line")
@@ -358,14 +342,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_run_args(rest)
             # DeepSpeed still calls torch collectives that torch deprecated; nothing a user can act on.
             warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-            from .curriculum import run
+            from longsft.train.training.curriculum import run
 
             run(cfg)
             return 0
         if cmd == "eval":
             from longsft.eval.harness import eval_help, parse_eval_args, run_eval
-
-            from .config import wants_help
+            from longsft.train.config import wants_help
 
             if wants_help(rest):
                 print(eval_help())
@@ -390,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         if handler is not None:
             return handler(rest)
         if cmd == "score":
-            from longsft.eval.score import main as score_main
+            from longsft.eval.scoring.score import main as score_main
 
             return score_main(rest)
     except (ConfigError, DataError) as e:
@@ -406,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"longsft: {message}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        from .preempt import EXIT_STOPPED, StopRequested
-        from .trainer import SaveError, TrainingError
+        from longsft.train.training.preempt import EXIT_STOPPED, StopRequested
+        from longsft.train.training.trainer import SaveError, TrainingError
 
         if not isinstance(e, (TrainingError, StopRequested)):
             raise

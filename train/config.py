@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import inspect
+import json
 import math
 import re
 import types
@@ -25,13 +25,10 @@ from typing import Any, Literal
 
 import yaml
 
-from .io import DataError, read_text, safe_name
+from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.io import read_text, safe_name
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
-
-
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message names the key and where it came from."""
 
 
 @dataclass
@@ -505,7 +502,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0: no tiling)")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the last checkpoint is what resumes)")
-    from .sequence_parallel import check_backend
+    from longsft.train.parallel.backends import check_backend
 
     if cfg.parallel.sp_backend == "ring_flash_attn" and cfg.parallel.sp_size > 1 and cfg.model.dtype == "fp32":
         raise ConfigError("parallel.sp_backend=ring_flash_attn runs flash-attn kernels, which take bf16 (its fp32 "
@@ -538,3 +535,21 @@ def to_dict(cfg: Any) -> Any:
 
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+DEFAULT_RECIPE = "tiny"
+
+
+def parse_run_args(argv: list[str]) -> RunConfig:
+    """``recipe=NAME`` plus ``key=value`` overrides -> validated config."""
+    recipe, overrides = DEFAULT_RECIPE, []
+    for arg in argv:
+        if "=" not in arg:
+            raise ConfigError(f"argument {arg!r} is not key=value (e.g. recipe=tiny optim.lr=1e-5)")
+        if arg.startswith("recipe="):
+            recipe = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    cfg = load_config(recipe, overrides)
+    validate(cfg)
+    return cfg

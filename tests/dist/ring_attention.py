@@ -18,7 +18,13 @@ def rel(a, b):
 
 
 def main(out_path: str) -> None:
-    from longsft.train import comm, distributed, sequence_parallel as sp
+    from longsft.train.parallel import comm
+    from longsft.train.parallel import distributed
+    from longsft.train.parallel.attention import active, setup
+    from longsft.train.parallel.ring_flash import ring_flash_attention
+    from longsft.train.parallel.ulysses import ulysses_attention
+    from longsft.train.parallel.layout import zigzag_index
+    from longsft.train.parallel.ring import zigzag_ring_attention
 
     d = distributed.init(int(os.environ["WORLD_SIZE"]))
     n = d.world_size
@@ -31,9 +37,9 @@ def main(out_path: str) -> None:
     backends = ["torch", "ulysses"]
     if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN"):  # tests/flash_attn_cpu on PYTHONPATH
         backends.append("ring_flash_attn")
-        sp.setup(d.sp_group, list(range(n)), d.rank, "ring_flash_attn")
-    attention = {"torch": sp.zigzag_ring_attention, "ulysses": sp.ulysses_attention,
-                 "ring_flash_attn": sp.ring_flash_attention}
+        setup(d.sp_group, list(range(n)), d.rank, "ring_flash_attn")
+    attention = {"torch": zigzag_ring_attention, "ulysses": ulysses_attention,
+                 "ring_flash_attn": ring_flash_attention}
     for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in backends for c in cases]:
         if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and dtype != torch.bfloat16):
             continue  # ring_flash_attn: flash-attn's dtypes
@@ -55,10 +61,10 @@ def main(out_path: str) -> None:
         ref.backward(dout)
         contiguous = backend == "ring_flash_attn" and docs  # its llama3 varlen ring: rank slices in order
         idx = torch.arange(d.sp_rank * seq // n, (d.sp_rank + 1) * seq // n) if contiguous else \
-            sp.zigzag_index(seq, n, d.sp_rank)
+            zigzag_index(seq, n, d.sp_rank)
         ql, kl, vl = (t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v))
         local_docs = doc_ids[:, idx] if docs else None
-        with sp.active(doc_ids=local_docs):
+        with active(doc_ids=local_docs):
             out = attend(ql, kl, vl, None, local_docs)
         out.backward(dout[:, :, idx].to(dtype))
         errs = {"out": rel(out, ref[:, :, idx].detach()), "dq": rel(ql.grad, qr.grad[:, :, idx]),

@@ -17,14 +17,17 @@ import torch
 
 
 def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
-    from longsft.train import comm, distributed
+    from longsft.train.parallel import comm
+    from longsft.train.parallel import distributed
 
     from longsft.train.config import load_config
 
-    from longsft.train import sequence_parallel
-    from longsft.train.data import StepSampler, collate, encode_all, load_samples, pack
-    from longsft.train.loss import backward_scale, token_loss_sum
-    from longsft.train.model import build_model, build_tokenizer
+    from longsft.train.parallel.attention import active
+    from longsft.train.data.batching import StepSampler, collate, pack
+    from longsft.train.data.encoding import encode_all
+    from longsft.train.data.schema import load_samples
+    from longsft.train.model.loss import backward_scale, token_loss_sum
+    from longsft.train.model.build import build_model, build_tokenizer
 
     cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", *overrides])
     d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend) if mode == "ds" else None
@@ -52,8 +55,8 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     import deepspeed
     from transformers.integrations import HfDeepSpeedConfig
 
-    from longsft.train.engine import build_ds_config, build_engine
-    from longsft.train.trainer import make_batch
+    from longsft.train.training.engine import build_ds_config, build_engine
+    from longsft.train.training.trainer import make_batch
 
     ds_config = build_ds_config(cfg, stage, d.world_size, 64)
     keep = HfDeepSpeedConfig(ds_config)  # noqa: F841
@@ -65,7 +68,7 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     grads, targets = {}, []
     for k, idx in enumerate(micro):
         batch, _ = make_batch([rows[i] for i in idx], tok.pad_token_id, d, cfg.data.packing)
-        with sequence_parallel.active(doc_ids=batch.pop("doc_ids", None)):
+        with active(doc_ids=batch.pop("doc_ids", None)):
             loss, n = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations,
                                      cfg.model.loss_kernel)
             targets.append(n)

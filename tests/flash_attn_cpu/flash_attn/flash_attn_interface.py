@@ -2,7 +2,7 @@
 
 import torch
 
-from longsft.train.sequence_parallel import CPU_KERNEL
+from longsft.train.parallel.kernels import CPU_KERNEL
 
 
 def _heads_first(t: torch.Tensor, groups: int = 1) -> torch.Tensor:

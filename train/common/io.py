@@ -1,0 +1,179 @@
+"""File helpers: JSONL with file:line errors, atomic writes. Nothing the user had is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from longsft.train.common.errors import DataError
+
+
+def check_input_file(path: str | Path) -> Path:
+    """``path`` as a readable regular file, else DataError naming it (before anything is written)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, expected a file")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"{path}: not readable (permission denied)")
+    return path
+
+
+def check_output_file(path: str | Path) -> Path:
+    """``path`` can be written as a file: its folder exists and it is not itself a folder."""
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise DataError(f"{path}: folder {path.parent} does not exist")
+    return path
+
+
+def check_output_dir(path: str | Path, what: str = "--out") -> Path:
+    """A folder a command writes into: it may exist (as a folder) or be made; never a file."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{what} {path}: is a file, expected a folder")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise DataError(f"{what} {path}: {parent} is a file, not a folder")
+            break
+    return path
+
+
+def safe_name(name: Any, what: str, error: type[ValueError] = DataError) -> str:
+    """A name that becomes one path component (a bucket, stage or run name) stays inside its folder."""
+    text = str(name)
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text or text.startswith("."):
+        raise error(f"{what}={text!r} is not a plain name: it becomes a folder name, so no '/', '\\' "
+                    f"or leading '.'")
+    return text
+
+
+def _loads(text: str, where: str, document: bool = False) -> Any:
+    """``json.loads`` with DataErrors naming ``where`` (plus the line, for a whole ``document``)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{where}:{e.lineno}" if document else where
+        raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file, with errors that name it (missing, a folder, binary)."""
+    path = check_input_file(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {e.object[e.start]:#04x}); is it a binary file?") from None
+
+
+def read_json(path: str | Path, what: str = "JSON file") -> Any:
+    """One JSON document; a cut-off or binary file is a DataError naming it."""
+    path = Path(path)
+    text = read_text(path)
+    if not text.strip():
+        raise DataError(f"{path}: empty {what}")
+    return _loads(text, str(path), document=True)
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """Yield (line_number, record) for each non-blank line; malformed lines raise DataError."""
+    path = check_input_file(path)
+    with path.open("rb") as f:  # bytes, decoded per line: a bad byte is reported on its own line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}); "
+                                "is it a binary file?") from None
+            if not line.strip():
+                continue
+            rec = _loads(line, f"{path}:{lineno}")
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            yield lineno, rec
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()
+
+
+def share_mode(path: str | Path) -> None:
+    """Give a file made by mkstemp/mkdtemp (0600/0700) the user's usual mode (umask), as open() would."""
+    path = Path(path)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~UMASK)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write via a temp file in the same folder + fsync + rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        share_mode(tmp)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_log(path: str | Path):
+    """Records of an append-only JSONL log; a line cut off by a crash is skipped, not an error."""
+    if not Path(path).exists():
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
+
+def write_jsonl(path: str | Path, records: list[dict]) -> None:
+    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Swap a fully written ``tmp`` folder into ``final``; the old one is removed only after.
+
+    A crash at any point leaves either the old or the new folder under a recoverable name
+    (``final``, ``final.old`` or ``tmp``); :func:`recover_dir` restores ``final``.
+    """
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def recover_dir(final: Path) -> None:
+    """Undo a swap interrupted by a crash: bring ``final.old`` back if ``final`` is missing."""
+    old = final.with_name(final.name + ".old")
+    if not final.exists() and old.exists():
+        os.replace(old, final)

@@ -1,0 +1,91 @@
+"""Rows and batches: packing samples end to end, collation to tensors, and the resumable step sampler."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from longsft.train.data.encoding import IGNORE, Encoded
+
+# --------------------------------------------------------------------------- batching
+
+
+Row = list[Encoded]  # one batch row: a single sample, or several packed end to end
+
+
+def pack(items: list[Encoded], seq_len: int, enabled: bool) -> list[Row]:
+    """Group samples into rows of at most ``seq_len`` tokens (first-fit decreasing, deterministic).
+
+    Without packing every row holds one sample. Packed documents never see each other: they get
+    their own position ids and document ids, and attention is masked per document.
+    """
+    if not enabled:
+        return [[e] for e in items]
+    rows: list[Row] = []
+    space: list[int] = []
+    for e in sorted(items, key=lambda e: (-len(e.input_ids), e.sample.id)):
+        n = len(e.input_ids)
+        j = next((i for i, free in enumerate(space) if free >= n), None)
+        if j is None:
+            rows.append([e])
+            space.append(seq_len - n)
+        else:
+            rows[j].append(e)
+            space[j] -= n
+    return rows
+
+
+def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad rows to a common length. Labels are shifted here, before any sequence split, and
+    per document: ``shift_labels[b, t]`` is the target of position ``t`` (IGNORE at a document's
+    last token and on padding). Position ids restart at 0 for each packed document.
+
+    Returns input_ids, attention_mask, position_ids, shift_labels, doc_ids (-1 on padding): [batch, seq].
+    """
+    rows = [r if isinstance(r, list) else [r] for r in rows]
+    n = max(sum(len(e.input_ids) for e in r) for r in rows)
+    n = -(-n // pad_to_multiple) * pad_to_multiple
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    shift = torch.full((len(rows), n), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(rows), n), dtype=torch.long)
+    docs = torch.full((len(rows), n), -1, dtype=torch.long)
+    pos = torch.arange(n).repeat(len(rows), 1)
+    for i, row in enumerate(rows):
+        t = 0
+        for j, e in enumerate(row):
+            k = len(e.input_ids)
+            ids[i, t:t + k] = torch.tensor(e.input_ids)
+            shift[i, t:t + k - 1] = torch.tensor(e.labels[1:])
+            pos[i, t:t + k] = torch.arange(k)
+            docs[i, t:t + k] = j
+            t += k
+        mask[i, :t] = 1
+        pos[i, t:] = torch.arange(t, n) if len(row) == 1 else torch.arange(n - t)
+    return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "shift_labels": shift, "doc_ids": docs}
+
+
+class StepSampler:
+    """Deterministic map from optimizer step -> this rank's micro-batches.
+
+    Each epoch is a seeded permutation; a global step takes ``dp_size * micro * accum`` samples
+    (the tail that does not fill a step is dropped, so every rank sees the same number of
+    batches). Resuming at step ``s`` needs nothing but ``s``.
+    """
+
+    def __init__(self, n: int, dp_size: int, dp_rank: int, micro: int, accum: int, seed: int):
+        self.n, self.dp_size, self.dp_rank, self.micro, self.accum, self.seed = n, dp_size, dp_rank, micro, accum, seed
+        self.global_batch = dp_size * micro * accum
+        self.steps_per_epoch = n // self.global_batch
+
+    def global_indices(self, step: int) -> list[int]:
+        """Every sample index of global ``step``, all ranks together."""
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        perm = list(range(self.n))
+        random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+        return perm[pos * self.global_batch:(pos + 1) * self.global_batch]
+
+    def step(self, step: int) -> list[list[int]]:
+        """Indices for ``accum`` micro-batches of this rank at global ``step``."""
+        mine = self.global_indices(step)[self.dp_rank::self.dp_size]
+        return [mine[i * self.micro:(i + 1) * self.micro] for i in range(self.accum)]

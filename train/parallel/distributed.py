@@ -1,0 +1,152 @@
+"""Process groups and parallel degrees. Everything else asks :class:`ParallelDims`.
+
+Naming: "axis" is a direction of the rank grid (dp, sp); "dim" is a tensor dimension.
+Ranks are laid out sp-major-inner: ranks ``[k*sp, (k+1)*sp)`` form sequence-parallel group
+``k`` (contiguous, so a group stays inside a node); ranks with equal ``rank % sp`` form a
+data-parallel group. ZeRO-3 shards over the whole world.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from longsft.train.common.errors import ConfigError
+from longsft.train.parallel import comm
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    sp_size: int = 1
+
+    def __post_init__(self):
+        if self.sp_size < 1 or self.world_size % self.sp_size:
+            raise ConfigError(f"parallel.sp_size={self.sp_size} must divide the world size {self.world_size} "
+                              f"(launch with a multiple of {self.sp_size} processes, or change sp_size)")
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.sp_size
+
+    def sp_rank(self, rank: int) -> int:
+        return rank % self.sp_size
+
+    def sp_group_ranks(self) -> list[list[int]]:
+        return [list(range(k * self.sp_size, (k + 1) * self.sp_size)) for k in range(self.dp_size)]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        return [list(range(r, self.world_size, self.sp_size)) for r in range(self.sp_size)]
+
+
+@dataclass
+class Dist:
+    """This process's place in the job and its groups."""
+
+    rank: int
+    local_rank: int
+    dims: ParallelDims
+    device: torch.device
+    sp_group: object = None
+    dp_group: object = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def sp_rank(self) -> int:
+        return self.dims.sp_rank(self.rank)
+
+    def barrier(self) -> None:
+        comm.barrier()
+
+
+def _die_with_launcher() -> None:
+    """Under torchrun, ask Linux to kill this rank when its launcher dies (kill -9, preemption):
+    torch's workers otherwise live on as orphans, still writing to the run directory."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def setup_env() -> None:
+    """Environment that must exist before deepspeed is imported."""
+    _die_with_launcher()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "RANK" not in os.environ:  # plain `python launch/...`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+
+
+def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist:
+    """Initialise torch.distributed (NCCL on GPUs, gloo on CPU) and the dp/sp groups."""
+    setup_env()
+    world = int(os.environ["WORLD_SIZE"])
+    dims = ParallelDims(world, sp_size)  # validate before any collective
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if local_rank >= gpus:  # NCCL cannot put two ranks on one GPU
+            raise ConfigError(f"{os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)} processes on this node but "
+                              f"{gpus} GPU(s): launch --nproc_per_node={gpus} (with a parallel.sp_size that divides "
+                              "the world size), or set CUDA_VISIBLE_DEVICES= to run on the CPU")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))  # wraps the group
+    d = Dist(rank=rank, local_rank=local_rank, dims=dims, device=device)
+    for ranks in dims.sp_group_ranks():  # every rank creates every group, in the same order
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            d.sp_group = g
+    for ranks in dims.dp_group_ranks():
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            d.dp_group = g
+    from longsft.train.parallel.attention import setup
+
+    setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
+    return d
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

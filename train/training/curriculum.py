@@ -1,0 +1,256 @@
+"""The curriculum: stages in order, each initialised from the previous stage's best model.
+
+``state.json`` in the run directory records every stage (status, steps, best checkpoint and
+its validation metrics). Re-running the same command resumes: finished stages are skipped,
+an unfinished one continues from its last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text
+from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
+from longsft.train.model.build import build_tokenizer
+from longsft.train.parallel import comm, distributed
+from longsft.train.training.preempt import StopWatch
+from longsft.train.training.report import read_state, write_report
+from longsft.train.training.tracker import Tracker
+
+RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
+PRE_RUN = {".lock", "STOP", "submit"}  # what longsft puts there before the run starts (lock, stop request, submit)
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """``run_dir`` is new, empty or a longsft run directory: never write into someone else's folder."""
+    path = cfg.run_path
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"run_dir={path} is a file, not a folder")
+    if not path.is_dir() or any((path / m).exists() for m in RUN_MARKERS):
+        return
+    present = sorted(p.name for p in path.iterdir() if p.name not in PRE_RUN)
+    if present:
+        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
+        raise ConfigError(f"run_dir={path} exists and is not a longsft run directory (it holds {shown}); "
+                          "give a new or empty folder")
+
+
+def load_state(cfg: RunConfig) -> dict:
+    path = cfg.run_path / "state.json"
+    if path.exists():
+        state = read_state(cfg.run_path)
+        names = [s.name for s in cfg.stages]
+        if list(state["stages"]) != names:
+            raise ConfigError(f"{path}: this run directory holds stages {list(state['stages'])}, the recipe has "
+                              f"{names}; use a new run_dir or the original recipe")
+        return state
+    return {"recipe": cfg.recipe, "created": time.time(),
+            "stages": {s.name: {"status": "pending", "steps_done": 0} for s in cfg.stages}}
+
+
+def check_resolved_config(cfg: RunConfig) -> bool:
+    """A resumed run must use the same resolved config (except logging). Every rank checks.
+
+    Returns True when the run directory's config is to be replaced: it differs, but no optimizer
+    step was ever completed there (a run that failed at the start takes the corrected config).
+    """
+    import yaml
+
+    path = cfg.run_path / "config.yaml"
+    if not path.exists():
+        return False
+    try:
+        old = yaml.safe_load(read_text(path))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({e}); it records the run's config") from None
+    if not isinstance(old, dict):
+        raise ConfigError(f"{path}: not a longsft run config")
+    now = to_dict(cfg)
+    old.pop("logging", None), now.pop("logging", None)
+    if old == now:
+        return False
+    diff = _diff(old, now)
+    if not _trained(cfg):
+        return True
+    shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff[:6]) + ("; ..." if len(diff) > 6 else "")
+    raise ConfigError(f"{path}: this run directory has trained with a different config ({shown}). To resume it, "
+                      f"rerun with its config (`longsft train recipe={path}`); to train the new config, give a "
+                      "new run_dir")
+
+
+def _diff(old: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Leaf keys whose values differ: [(dotted key, old, new)]."""
+    if isinstance(old, dict) and isinstance(now, dict):
+        return [d for k in sorted(set(old) | set(now), key=str)
+                for d in _diff(old.get(k), now.get(k), f"{prefix}{k}.")]
+    return [] if old == now else [(prefix.rstrip("."), old, now)]
+
+
+def _trained(cfg: RunConfig) -> bool:
+    """Did any optimizer step complete in this run directory (a checkpoint, a best model or counted steps)?"""
+    run_dir = cfg.run_path
+    if any(run_dir.glob("stages/*/ckpt/step_*")) or any(run_dir.glob("stages/*/best")):
+        return True
+    path = run_dir / "state.json"
+    if not path.exists():
+        return False
+    return any(e.get("steps_done", 0) or e.get("best") for e in read_state(run_dir)["stages"].values())
+
+
+def prepare_data(cfg: RunConfig, tokenizer) -> None:
+    """``data.source: sample`` -> write the deterministic sample set into the run dir (once)."""
+    if cfg.data.source != "sample":
+        return
+    from longsft.train.datagen.sample_data import write_sample_data
+
+    out = cfg.run_path / "data"
+    buckets = sorted({s.bucket for s in cfg.stages})
+    if all((out / b / "validation.jsonl").exists() for b in buckets):
+        return
+    write_sample_data(out, tokenizer, buckets, cfg.data.sample_size, max(2, cfg.data.sample_size // 4),
+                      cfg.data.seed)
+
+
+def lock_run_dir(run_dir):
+    """Hold an exclusive lock on ``run_dir/.lock`` for the life of this process (None if taken).
+
+    A kernel lock (flock), so a killed or preempted job never leaves a stale lock behind.
+    """
+    import fcntl
+    import os
+    import socket
+
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"host={socket.gethostname()} pid={os.getpid()} slurm_job={os.environ.get('SLURM_JOB_ID', '-')}\n")
+    f.flush()
+    return f
+
+
+def _lock_holder(run_dir) -> str:
+    try:
+        return (run_dir / ".lock").read_text().strip() or "unknown holder"
+    except OSError:
+        return "unknown holder"
+
+
+def check_model(cfg: RunConfig) -> None:
+    """Checks that need only the model's config (no weights): head counts against the SP backend."""
+    import os
+
+    from longsft.train.model.build import build_hf_config
+    from longsft.train.parallel.backends import check_heads
+
+    m = cfg.model
+    for key, value in (("model.path", m.path), ("model.tokenizer", m.tokenizer)):
+        if value and value != "qwen" and (os.sep in value or value.startswith(".")) and not os.path.exists(value) \
+                and value.count("/") != 1:  # "org/name" may be a hub id
+            raise ConfigError(f"{key}={value}: no such folder (a local model folder with config.json, or a hub id "
+                              "already in the Hugging Face cache)")
+    try:
+        hf = build_hf_config(m)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path={m.path}: cannot read its config.json ({e})") from None
+    check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
+                getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+    import torch
+
+    if m.loss_kernel == "liger" and not torch.cuda.is_available():
+        raise ConfigError("model.loss_kernel=liger runs on CUDA GPUs only; use model.loss_kernel=torch "
+                          "(with model.loss_chunk_tokens) on this machine")
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Parse every stage's data files up front so a bad line fails before hours of training."""
+    from longsft.train.data.schema import load_samples
+    from longsft.train.training.trainer import stage_files
+
+    for stage in cfg.stages:
+        train, val = stage_files(cfg, stage)
+        load_samples(train)
+        if stage.validate:
+            load_samples(val)
+
+
+def run(cfg: RunConfig) -> dict:
+    """Run (or resume) the whole curriculum; returns the final state."""
+    validate(cfg)
+    check_run_dir(cfg)
+    check_model(cfg)
+    d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
+    if cfg.data.source == "files":
+        check_data(cfg)  # every rank, before the run directory is touched: bad data fails everywhere
+    run_dir = cfg.run_path
+    replace_config = check_resolved_config(cfg)  # every rank: a mismatch fails everywhere, not at a barrier
+    d.barrier()
+    lock = None
+    if d.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)
+    holder = comm.broadcast_object(None if lock else _lock_holder(run_dir))
+    if holder is not None:
+        raise ConfigError(f"{run_dir} is in use by another job ({holder}); wait for it or use another run_dir")
+    if d.is_main:
+        if replace_config:  # the old config never completed a step: keep it beside, train the new one
+            os.replace(run_dir / "config.yaml", run_dir / "config.yaml.untrained")
+            (run_dir / "state.json").unlink(missing_ok=True)
+            print(f"longsft: {run_dir} never completed a step with its config; training the new config "
+                  "(the old one is in config.yaml.untrained)", file=sys.stderr, flush=True)
+        if not (run_dir / "config.yaml").exists():
+            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+    d.barrier()
+    state = load_state(cfg)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one to read
+    tokenizer = build_tokenizer(cfg.model)
+    if d.is_main:
+        prepare_data(cfg, tokenizer)
+    d.barrier()
+    if cfg.data.source == "sample":
+        check_data(cfg)
+    tracker = Tracker(run_dir, cfg.logging, d.is_main, to_dict(cfg))
+
+    def save() -> None:
+        if d.is_main:
+            atomic_write_json(run_dir / "state.json", state)
+
+    from longsft.train.training.trainer import StageTrainer
+
+    stop = StopWatch(run_dir, d.is_main)
+    init_from = None
+    t0 = time.time()
+    try:
+        for i, stage in enumerate(cfg.stages):
+            entry = state["stages"][stage.name]
+            if entry["status"] == "done":  # "failed" and "running" stages resume from their last checkpoint
+                tracker.write(f"stage {stage.name}: done, skipping (best: {entry.get('best', {}).get('path')})")
+            else:
+                entry["init_from"] = init_from
+                StageTrainer(cfg, i, d, tokenizer, tracker, entry, save, init_from, stop).run()
+                if d.is_main:
+                    write_report(run_dir, state)
+            init_from = entry["best"]["path"]
+    finally:
+        stop.close()
+    state["seconds_this_run"] = time.time() - t0
+    save()
+    if d.is_main:
+        write_report(run_dir, state)
+        tracker.write(f"done in {state['seconds_this_run']:.0f} s; report: {run_dir / 'report.md'}")
+    tracker.close()
+    d.barrier()
+    if lock is not None:
+        lock.close()
+    distributed.shutdown()
+    return state

@@ -1,0 +1,246 @@
+"""One curriculum stage: data, engine, training loop, validation hook, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import write_jsonl
+from longsft.train.config import RunConfig, StageConfig
+from longsft.train.data.batching import Row, StepSampler, collate, pack
+from longsft.train.data.encoding import encode_all
+from longsft.train.data.schema import load_samples
+from longsft.train.model.build import build_hf_config, build_model
+from longsft.train.model.loss import backward_scale, token_loss_sum
+from longsft.train.parallel import comm
+from longsft.train.parallel.attention import active
+from longsft.train.parallel.distributed import Dist
+from longsft.train.parallel.layout import layout, shard_batch
+from longsft.train.training import checkpoint
+from longsft.train.training.engine import build_ds_config, build_engine
+from longsft.train.training.preempt import StopRequested, StopWatch
+from longsft.train.training.tracker import Tracker, peak_memory_gb
+from longsft.train.training.validation import is_better, run_validation
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the run directory keeps the last good state."""
+
+
+class SaveError(TrainingError):
+    """A checkpoint could not be written (disk full, quota...); raised by the rank that failed."""
+
+
+def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
+
+    ``doc_ids`` stays in the batch only for packed rows (for :func:`active`).
+    """
+    batch = collate(rows, pad_id)
+    tokens = int(batch["attention_mask"].sum())
+    if not packing:
+        batch.pop("doc_ids")
+    batch = shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id, layout(packing))
+    return {k: v.to(d.device) for k, v in batch.items()}, tokens
+
+
+def stage_files(cfg: RunConfig, stage: StageConfig) -> tuple[Path, Path]:
+    """(train, validation) JSONL of ``stage``: the sample set in the run dir, or the recipe's files."""
+    if cfg.data.source == "sample":
+        root = cfg.run_path / "data" / stage.bucket
+        return root / "train.jsonl", root / "validation.jsonl"
+    return (Path(cfg.data.train_file.format(bucket=stage.bucket, split="train")),
+            Path(cfg.data.validation_file.format(bucket=stage.bucket, split="validation")))
+
+
+class StageTrainer:
+    """Trains ``stage`` from ``init_from`` (HF folder or None) and keeps its best checkpoint.
+
+    ``state`` is this stage's entry in ``state.json``; ``save_state`` persists it (rank 0).
+    """
+
+    def __init__(self, cfg: RunConfig, index: int, d: Dist, tokenizer, tracker: Tracker, state: dict,
+                 save_state, init_from: str | None, stop: StopWatch | None = None):
+        self.cfg, self.stage, self.d, self.tok = cfg, cfg.stages[index], d, tokenizer
+        self.tracker, self.state, self.save_state, self.init_from = tracker, state, save_state, init_from
+        self.stop = stop
+        self.dir = cfg.run_path / "stages" / self.stage.name
+        self.pad_id = tokenizer.pad_token_id
+
+    # ------------------------------------------------------------------ setup
+
+    def _data(self) -> None:
+        st, cfg = self.stage, self.cfg
+        train_path, val_path = stage_files(cfg, st)
+        encoded, tstats = encode_all(load_samples(train_path), self.tok, st.seq_len, cfg.data.prompt, st.overflow)
+        self.train = pack(encoded, st.seq_len, cfg.data.packing)
+        val = load_samples(val_path) if st.validate else []
+        if cfg.validation.max_samples:
+            val = val[: cfg.validation.max_samples]
+        # Validation prompts must leave room for the generated judgement.
+        self.val, vstats = encode_all(val, self.tok, st.seq_len - cfg.validation.max_new_tokens, cfg.data.prompt,
+                                      st.overflow)
+        o = cfg.optim
+        self.sampler = StepSampler(len(self.train), self.d.dims.dp_size, self.d.dp_rank, o.micro_batch_size,
+                                   o.grad_accum, cfg.seed)
+        if self.sampler.steps_per_epoch == 0:
+            raise ConfigError(f"stage {st.name!r}: {len(self.train)} usable samples in {train_path} "
+                              f"(of {tstats.total}; {tstats.skipped} skipped as longer than {st.seq_len}) "
+                              f"do not fill one global batch of {self.sampler.global_batch}")
+        if st.validate and not self.val:
+            raise ConfigError(f"stage {st.name!r}: no usable validation samples in {val_path}")
+        spe = self.sampler.steps_per_epoch
+        self.total_steps = st.max_steps if st.max_steps > 0 else max(1, round(st.epochs * spe))
+        every = st.every_steps if st.every_steps is not None else cfg.validation.every_steps
+        self.val_every = every if every > 0 else spe
+        self.state.update(total_steps=self.total_steps, steps_per_epoch=spe,
+                          data={"train": asdict(tstats), "validation": asdict(vstats),
+                                "train_file": str(train_path), "validation_file": str(val_path)})
+        packed = f" in {len(self.train)} packed rows" if cfg.data.packing else ""
+        self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples{packed} "
+                           f"({tstats.truncated} truncated, {tstats.skipped} skipped; policy={st.overflow}), "
+                           f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}")
+
+    def _engine(self) -> None:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hidden = build_hf_config(self.cfg.model, self.init_from).hidden_size
+        self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
+        # Alive while the model is built: ZeRO-3 partitions weights as they load.
+        self._hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841
+        model = build_model(self.cfg.model, self.init_from, self.cfg.seed, self.d.dims.sp_size, self.cfg.data.packing)
+        self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps)
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self) -> dict:
+        for note in checkpoint.recover(self.dir, self.d):
+            self.tracker.write(f"stage {self.stage.name}: {note}")
+        self._data()
+        self._engine()
+        step = 0
+        tag = checkpoint.latest_resume(self.dir)
+        if tag is not None:
+            ts = checkpoint.load_resume(self.engine, self.d, tag)
+            step = ts["step"]
+            self.state["best"] = ts.get("best")
+            self.tracker.write(f"stage {self.stage.name}: resumed from {tag} at step {step}")
+        self.state["status"] = "running"
+        self.save_state()
+        self.tracker.start_stage(self.stage.name, self.total_steps, step)
+        start, start_step = time.time(), step
+        while step < self.total_steps:
+            rec = self._train_step(step)
+            step += 1
+            if not math.isfinite(rec["loss"]):  # the loss is all-reduced: every rank stops here together
+                self.state["status"] = "failed"
+                self.state["error"] = f"loss {rec['loss']} at step {step}"
+                self.save_state()
+                raise TrainingError(f"stage {self.stage.name}: loss is {rec['loss']} at step {step}; stopped. The last "
+                                    f"good checkpoint stays in {self.dir / 'ckpt'} (rerun resumes from it; lower "
+                                    "the learning rate or check the data first)")
+            if step % self.cfg.logging.log_every == 0 or step == self.total_steps:
+                self.tracker.log(rec)
+            validate = self.stage.validate and (step % self.val_every == 0 or step == self.total_steps)
+            save = validate or step == self.total_steps or (
+                self.stage.save_every_steps and step % self.stage.save_every_steps == 0)
+            if validate:
+                self._validate(step)
+            stop = step < self.total_steps and self.stop is not None and self.stop.requested()
+            if save or stop:
+                self._save(step)
+            if stop:
+                self._stopped(step, start, start_step)
+        self.tracker.end_stage()
+        if not self.stage.validate:  # the last model is the stage's output
+            checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", {"step": step})
+            self.state["best"] = {"path": str(self.dir / "best"), "step": step}
+        self.state.update(status="done", steps_done=step,
+                          seconds=self.state.get("seconds", 0.0) + time.time() - start,
+                          steps_this_run=step - start_step)
+        self.save_state()
+        if not self.cfg.checkpoint.keep_finished:
+            checkpoint.drop_resume(self.dir, self.d)
+        self._release()
+        return self.state
+
+    def _save(self, step: int) -> None:
+        resume_state = {"step": step, "best": self.state.get("best")}
+        try:
+            tag = checkpoint.save_resume(self.engine, self.d, self.dir, step, resume_state, self.cfg.checkpoint.keep)
+        except Exception as e:  # disk full, quota, I/O error: say so, and what is still there
+            prev = checkpoint.latest_resume(self.dir)
+            kept = (f"the previous checkpoint {prev} is intact and a rerun resumes from it" if prev else
+                    "this stage has no earlier checkpoint; a rerun restarts it")
+            why = checkpoint.describe_save_error(e, self.dir)
+            raise SaveError(f"rank {self.d.rank}: stage {self.stage.name}: saving the checkpoint of step {step} failed "
+                            f"({why}); {kept} (free space first)") from e
+        self.state["steps_done"] = step
+        self.state["last_checkpoint"] = str(tag)
+        self.save_state()
+
+    def _stopped(self, step: int, start: float, start_step: int) -> None:
+        """A stop was requested and ``step`` is saved: record it and leave (the rerun resumes here)."""
+        self.stop.consume()
+        self.state.update(status="stopped", seconds=self.state.get("seconds", 0.0) + time.time() - start,
+                          steps_this_run=step - start_step)
+        self.save_state()
+        self.tracker.end_stage()
+        raise StopRequested(f"stage {self.stage.name}: stopped on request at step {step}/{self.total_steps}; "
+                            f"checkpoint saved in {self.state['last_checkpoint']}. Run the same command to resume")
+
+    def _train_step(self, step: int) -> dict:
+        t0 = time.time()
+        micro = self.sampler.step(step)
+        global_idx = self.sampler.global_indices(step)
+        n_global = sum(self._n_targets(i) for i in global_idx)
+        scale = backward_scale(n_global, self.engine.dp_world_size, self.cfg.optim.grad_accum)
+        loss_sum, tokens = 0.0, 0
+        for idx in micro:
+            batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d, self.cfg.data.packing)
+            with active(doc_ids=batch.pop("doc_ids", None)):
+                loss, _ = token_loss_sum(self.engine, batch, self.cfg.model.loss_chunk_tokens,
+                                         self.cfg.model.offload_activations, self.cfg.model.loss_kernel)
+                self.engine.backward(loss * scale)
+            self.engine.step()
+            loss_sum += float(loss.detach())
+            tokens += n_tokens
+        # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
+        loss_total, tokens_total = comm.all_reduce([loss_sum, tokens if self.d.sp_rank == 0 else 0])
+        dt = time.time() - t0
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": loss_total / n_global,
+                "lr": self.engine.get_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
+                "tokens": int(tokens_total), "tokens_per_s": tokens_total / dt, "step_time_s": dt,
+                "memory_gb": peak_memory_gb()}
+
+    def _n_targets(self, i: int) -> int:
+        # collate shifts labels by one per document: a document's first label never counts
+        return sum(1 for e in self.train[i] for x in e.labels[1:] if x != -100)
+
+    def _validate(self, step: int) -> None:
+        v = self.cfg.validation
+        metrics, rows = run_validation(self.engine, self.tok, self.val, self.d, v.max_new_tokens, v.invalid_policy,
+                                       v.loss, self.pad_id, self.cfg.model.loss_chunk_tokens)
+        metrics.update(kind="val", stage=self.stage.name, step=step)
+        if self.d.is_main:
+            write_jsonl(self.dir / "val" / f"step_{step:07d}.jsonl", rows)
+        self.tracker.log(metrics)
+        self.state.setdefault("validations", []).append({k: metrics[k] for k in (
+            "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss")})
+        if is_better(metrics, self.state.get("best")):
+            checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", metrics)
+            self.state["best"] = {"path": str(self.dir / "best"), **{k: metrics[k] for k in (
+                "step", "balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "val_loss")}}
+            self.tracker.write(f"[{self.stage.name} step {step}] new best (BA {metrics['balanced_accuracy']:.3f})")
+
+    def _release(self) -> None:
+        self.engine.destroy()
+        del self.engine, self._hf_ds
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
