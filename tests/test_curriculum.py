@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ROOT, TEST_OVERRIDES, assert_same_run, free_port, torchrun
+from conftest import ROOT, TEST_OVERRIDES, assert_same_run, free_port, skip_or_fail, torchrun
 from safetensors.torch import load_file
 
 from longsft.train.training.checkpoint import complete_tags, latest_resume
@@ -263,7 +263,7 @@ def small_disk(tmp_path):
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=350m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
+        skip_or_fail("disk-full", f"cannot mount a small tmpfs here (needs root): {r.stderr.strip()}")
     yield mnt
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 

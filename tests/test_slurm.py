@@ -12,7 +12,7 @@ import time
 
 import pytest
 import slurm_cluster
-from conftest import ROOT, TEST_OVERRIDES, assert_same_run, run_metrics, torchrun
+from conftest import ROOT, TEST_OVERRIDES, assert_same_run, run_metrics, skip_or_fail, torchrun
 
 CLI = [sys.executable, "-m", "longsft.train.cli"]
 SWEEP = ROOT / "launch" / "slurm" / "tiny_sweep.txt"
@@ -115,9 +115,7 @@ def test_status_exit_code_says_whether_the_run_is_finished(tmp_path):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    why = slurm_cluster.unavailable()
-    if why:
-        pytest.skip(why)
+    skip_or_fail("SLURM", slurm_cluster.unavailable())
     c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
     yield c
     slurm_cluster.stop(c)

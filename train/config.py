@@ -27,6 +27,7 @@ import yaml
 
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import read_text, safe_name
+from longsft.train.parallel.backends import check_backend
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -502,8 +503,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"model.mlp_tile_tokens={cfg.model.mlp_tile_tokens} must be >= 0 (0: no tiling)")
     if cfg.checkpoint.keep < 1:
         raise ConfigError(f"checkpoint.keep={cfg.checkpoint.keep} must be >= 1 (the last checkpoint is what resumes)")
-    from longsft.train.parallel.backends import check_backend
-
     if cfg.parallel.sp_backend == "ring_flash_attn" and cfg.parallel.sp_size > 1 and cfg.model.dtype == "fp32":
         raise ConfigError("parallel.sp_backend=ring_flash_attn runs flash-attn kernels, which take bf16 (its fp32 "
                           "ring backward is wrong): set model.dtype=bf16, or parallel.sp_backend=torch for fp32")

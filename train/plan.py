@@ -49,6 +49,8 @@ from torch.utils._pytree import tree_flatten
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import read_json
 from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig
+from longsft.train.model.build import build_hf_config, tile_mlps
+from longsft.train.training.engine import build_ds_config
 
 GIB = 2**30
 MODEL_DIR = RECIPE_DIR / "models"  # config.json of each shipped recipe's model, named after model.path
@@ -164,8 +166,6 @@ def model_config_source(cfg: RunConfig) -> str:
 
 def hf_config(cfg: RunConfig):
     """The HF config the run would train (rope scaling applied), without any weights."""
-    from longsft.train.model.build import build_hf_config
-
     source = model_config_source(cfg)
     if source == "recipe":
         try:
@@ -278,8 +278,6 @@ def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
     """Peak bytes of activations, their gradients and one module's weight gradient at a time (DeepSpeed
     moves each weight gradient into its reduce bucket as soon as it is ready) over the decoder stack's
     forward and backward at ``tokens`` tokens; the embedding and LM head are accounted for apart."""
-    from longsft.train.model.build import tile_mlps
-
     dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float32
     model = _meta_model(hf, layers, dtype)
     model.train()
@@ -353,8 +351,6 @@ def model_shape(cfg: RunConfig) -> Shape:
 
 def zero_settings(cfg: RunConfig, stage: StageConfig, world: int, hidden: int) -> dict:
     """The DeepSpeed settings the run would use (``auto`` filled exactly as the trainer fills it)."""
-    from longsft.train.training.engine import build_ds_config
-
     ds = build_ds_config(cfg, stage, world, hidden)
     zero = ds.get("zero_optimization", {})
     return {"stage": zero.get("stage", 0),

@@ -9,11 +9,10 @@ valid one wins (repetition loops re-state, and self-corrections come last).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 
-import json_repair
+from longsft.train.common.jsontext import extract_json_object, json_objects, strip_thinking  # noqa: F401 (TEMP re-export)
 
 # The eight canonical types (LongNovel appendix B) and every name they appear under.
 TYPES = ("entity", "numerical", "relation", "inversion", "event", "temporal", "causal", "fabrication")
@@ -35,7 +34,6 @@ _SUFFIX = re.compile(r"\s*(hallucinations?|errors?|幻觉|错误)\s*$", re.I)
 _FULL_WIDTH = str.maketrans({"：": ":", "，": ",", "“": '"', "”": '"', "＂": '"', "｛": "{", "｝": "}",
                              "‘": "'", "’": "'", "［": "[", "］": "]", "（": "(", "）": ")", "；": ";"})
 _PLAIN_TYPES = re.compile(r"(?:hallucination[_ ]types?|幻觉类型)\s*[:=]\s*([^\n]*)", re.I)
-_THINK = re.compile(r"<think>.*?</think>", re.S)
 _SCORE_KEYS = ("score", "consistency_score", "评分", "分数", "得分")
 _PLAIN_SCORES = [  # fallbacks when no JSON judgement parses; the last match in the text wins
     re.compile(r"(?:score|rating)\s*(?:is|of)?\s*[:=]?\s*[\"']?(-?\d+(?:\.\d+)?)\s*(?:/\s*5)?", re.I),
@@ -91,67 +89,12 @@ def parse_judgement(text: str | None) -> Judgement:
     """Raw model text -> :class:`Judgement` (score None when nothing valid is found, or not text)."""
     if not text or not isinstance(text, str):
         return Judgement(None)
-    text = _strip_thinking(text).translate(_FULL_WIDTH).replace("{{", "{").replace("}}", "}")
-    for obj in reversed(_json_objects(text)):
+    text = strip_thinking(text).translate(_FULL_WIDTH).replace("{{", "{").replace("}}", "}")
+    for obj in reversed(json_objects(text)):
         j = _from_obj(obj)
         if j is not None:
             return j
     return _from_plain_text(text)
-
-
-def extract_json_object(text: str | None) -> dict | None:
-    """The last JSON object in a model reply (thinking blocks skipped, light repair), or None."""
-    objs = _json_objects(_strip_thinking(text if isinstance(text, str) else ""))
-    return objs[-1] if objs else None
-
-
-def _strip_thinking(text: str) -> str:
-    text = _THINK.sub("", text)
-    if "</think>" in text:  # the template opened <think> inside the prompt
-        text = text.rsplit("</think>", 1)[1]
-    return text
-
-
-def _json_objects(text: str) -> list[dict]:
-    """Every top-level ``{...}`` that parses (strictly, else repaired), plus a truncated tail."""
-    out: list[dict] = []
-    depth, start, in_str, esc = 0, -1, False, False
-    for i, ch in enumerate(text):
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-            continue
-        if ch == '"' and depth > 0:
-            in_str = True
-        elif ch == "{":
-            depth, start = depth + 1, i if depth == 0 else start
-        elif ch == "}" and depth > 0:
-            depth -= 1
-            if depth == 0:
-                obj = _loads(text[start : i + 1])
-                if obj is not None:
-                    out.append(obj)
-                start = -1
-    if depth > 0 and start >= 0:  # truncated output: repair the unfinished object
-        obj = _loads(text[start:])
-        if obj is not None:
-            out.append(obj)
-    return out
-
-
-def _loads(s: str) -> dict | None:
-    try:
-        obj = json.loads(s)
-    except ValueError:
-        try:
-            obj = json_repair.loads(s)
-        except Exception:  # json_repair raises assorted errors on hopeless input
-            return None
-    return obj if isinstance(obj, dict) else None
 
 
 def _from_obj(obj: dict) -> Judgement | None:

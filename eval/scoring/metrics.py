@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
+from longsft.eval.scoring.bootstrap import bootstrap_ci
 from longsft.eval.scoring.judgement import TYPES, Judgement, parse_judgement
 
 InvalidPolicy = Literal["wrong", "hallucinated", "faithful"]
@@ -102,8 +103,6 @@ def score_items(items: Iterable[Item], policy: InvalidPolicy = "wrong", bootstra
 def _summary(rows: list, bootstrap: int = 0, seed: int = 0) -> dict:
     m = binary_metrics([r[2] for r in rows], [r[3] for r in rows])
     if bootstrap and rows:
-        from longsft.eval.scoring.bootstrap import bootstrap_ci
-
         m["ci"] = bootstrap_ci([r[2] for r in rows], [r[3] for r in rows], n=bootstrap, seed=seed)
     n = len(rows)
     m["n"] = n

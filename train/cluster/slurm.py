@@ -23,10 +23,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from longsft.train.cluster.sweep import check_sweep, task_args
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import atomic_write_text
-from longsft.train.config import RunConfig, dump_yaml
+from longsft.train.config import RunConfig, dump_yaml, parse_run_args
 from longsft.train.parallel.distributed import ParallelDims
+from longsft.train.plan import GIB, Hardware, plan
 
 PACKAGES = ("train", "eval", "recipes", "ds_configs", "launch")
 
@@ -59,8 +61,6 @@ def check_world(cfg: RunConfig, res: Resources, where: str = "") -> None:
 def check_fit(cfg: RunConfig, res: Resources, gpu_gib: float, where: str = "") -> str:
     """Plan every stage on the allocation (``longsft plan``); refuse one that does not fit a GPU of
     ``gpu_gib`` before any GPU is booked. Returns the per-stage peaks for the user."""
-    from longsft.train.plan import GIB, Hardware, plan
-
     hw = Hardware(gpus_per_node=res.procs, nodes=res.nodes, gpu_gib=gpu_gib)
     _, rows = plan(cfg, hw)
     for e in rows:
@@ -115,9 +115,6 @@ def submit(args: list[str], res: Resources, sweep: str | None = None, root: str 
 
     With ``gpu_gib`` every training config is planned first and one that does not fit is refused.
     """
-    from longsft.train.cluster.sweep import check_sweep, task_args
-    from longsft.train.config import parse_run_args
-
     if sweep is None:
         cfg = parse_run_args(args)
         check_world(cfg, res)

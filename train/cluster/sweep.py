@@ -19,8 +19,10 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from longsft.eval.harness import parse_eval_args
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import read_text
+from longsft.train.config import parse_run_args
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -82,12 +84,8 @@ def task_args(task: SweepTask, root: str | Path, common: list[str], command: str
 
 def _resolve(command: str, args: list[str]) -> tuple[object, Path]:
     if command == "eval":
-        from longsft.eval.harness import parse_eval_args
-
         cfg = parse_eval_args(args)
         return cfg, cfg.out_path
-    from longsft.train.config import parse_run_args
-
     cfg = parse_run_args(args)
     return cfg, cfg.run_path
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from longsft.eval.scoring.judgement import TYPES
 from longsft.train.common.errors import DataError
 from longsft.train.common.io import check_output_dir, write_jsonl
 from longsft.train.data.prompts import render_target
+from longsft.train.datagen.erhg import RuleEngine, perturb
 
 # bucket -> (min, max) article tokens. Tiny stages use seq_len 512/1024/2048/4096; the upper
 # ends overshoot slightly on purpose so the overflow policy is exercised.
@@ -65,9 +67,6 @@ def _say(lang: str, kind: str, f: dict) -> str:
 
 def _erhg(rng: random.Random, lang: str, article: str, summary: str, n: int) -> tuple[str, list[str]]:
     """``summary`` with ``n`` edits of distinct types by :class:`longsft.train.datagen.erhg.RuleEngine`."""
-    from longsft.eval.scoring.judgement import TYPES
-    from longsft.train.datagen.erhg import RuleEngine, perturb
-
     sample = {"language": lang, "article": article, "summary": summary}
     for _ in range(32):  # a type that finds no sentence to edit is drawn again
         result = perturb(sample, rng.sample(TYPES, n), RuleEngine(rng), rng)

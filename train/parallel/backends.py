@@ -1,11 +1,10 @@
-"""Which sequence-parallel backend can run here, checked at start-up with the fix in the message."""
+"""Which sequence-parallel backend can run here, checked at start-up with the fix in the message.
+
+Checked by ``train.config.validate`` before anything is built, so it imports no torch at module level."""
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
-
-import torch
 
 from longsft.train.common.errors import ConfigError
 
@@ -22,6 +21,8 @@ def check_heads(backend: str, sp_size: int, num_heads: int, num_kv_heads: int) -
 
 def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
     """Fail at start-up, with the fix, for a backend that cannot run here."""
+    import torch  # here: config validation must not pay for torch on commands that never need it
+
     if packing and sp_size > 1 and backend == "torch" and torch.cuda.is_available():
         raise ConfigError("data.packing with the torch ring on GPUs needs per-block document masks, which "
                           "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or ring_flash_attn, or "

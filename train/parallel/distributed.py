@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.parallel import comm
+from longsft.train.parallel.attention import setup
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,6 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
         g = dist.new_group(ranks)
         if rank in ranks:
             d.dp_group = g
-    from longsft.train.parallel.attention import setup
-
     setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
     return d
 

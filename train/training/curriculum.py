@@ -15,11 +15,15 @@ from typing import Any
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
-from longsft.train.model.build import build_tokenizer
+from longsft.train.data.schema import load_samples
+from longsft.train.datagen.sample_data import write_sample_data
+from longsft.train.model.build import build_hf_config, build_tokenizer
 from longsft.train.parallel import comm, distributed
+from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
 from longsft.train.training.report import read_state, write_report
 from longsft.train.training.tracker import Tracker
+from longsft.train.training.trainer import StageTrainer, stage_files
 
 RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
 PRE_RUN = {".lock", "STOP", "submit"}  # what longsft puts there before the run starts (lock, stop request, submit)
@@ -105,8 +109,6 @@ def prepare_data(cfg: RunConfig, tokenizer) -> None:
     """``data.source: sample`` -> write the deterministic sample set into the run dir (once)."""
     if cfg.data.source != "sample":
         return
-    from longsft.train.datagen.sample_data import write_sample_data
-
     out = cfg.run_path / "data"
     buckets = sorted({s.bucket for s in cfg.stages})
     if all((out / b / "validation.jsonl").exists() for b in buckets):
@@ -148,9 +150,6 @@ def check_model(cfg: RunConfig) -> None:
     """Checks that need only the model's config (no weights): head counts against the SP backend."""
     import os
 
-    from longsft.train.model.build import build_hf_config
-    from longsft.train.parallel.backends import check_heads
-
     m = cfg.model
     for key, value in (("model.path", m.path), ("model.tokenizer", m.tokenizer)):
         if value and value != "qwen" and (os.sep in value or value.startswith(".")) and not os.path.exists(value) \
@@ -172,9 +171,6 @@ def check_model(cfg: RunConfig) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     """Parse every stage's data files up front so a bad line fails before hours of training."""
-    from longsft.train.data.schema import load_samples
-    from longsft.train.training.trainer import stage_files
-
     for stage in cfg.stages:
         train, val = stage_files(cfg, stage)
         load_samples(train)
@@ -224,8 +220,6 @@ def run(cfg: RunConfig) -> dict:
     def save() -> None:
         if d.is_main:
             atomic_write_json(run_dir / "state.json", state)
-
-    from longsft.train.training.trainer import StageTrainer
 
     stop = StopWatch(run_dir, d.is_main)
     init_from = None

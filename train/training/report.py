@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longsft.train.common.errors import DataError
-from longsft.train.common.io import atomic_write_text, read_json
+from longsft.eval.scoring.metrics import score_items
+from longsft.eval.scoring.score import load_predictions
+from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.io import atomic_write_json, atomic_write_text, read_json
 from longsft.train.training.tracker import read_metrics
 
 
@@ -96,8 +98,6 @@ def read_state(run_dir: str | Path) -> dict:
     """``run_dir/state.json``, checked enough to be used: a cut-off or foreign file is a DataError."""
     path = Path(run_dir) / "state.json"
     if not path.exists():
-        from longsft.train.common.errors import ConfigError
-
         raise ConfigError(f"{run_dir}: not a run directory (no state.json)")
     state = read_json(path, "state file")
     stages = state.get("stages") if isinstance(state, dict) else None
@@ -125,8 +125,6 @@ def find_runs(dirs: list[str | Path]) -> list[Path]:
         else:
             found = sorted(p.parent for p in d.glob("*/state.json"))
             if not found:
-                from longsft.train.common.errors import ConfigError
-
                 raise ConfigError(f"{d}: neither a run directory nor a folder of run directories (no state.json)")
             runs += found
     return runs
@@ -151,9 +149,6 @@ def summarize_run(run_dir: Path, bootstrap: int = 0) -> dict:
                mcc=s["best"]["mcc"], invalid_rate=s["best"].get("invalid_rate"))
     preds = run_dir / "stages" / name / "val" / f"step_{s['best']['step']:07d}.jsonl"
     if bootstrap and preds.exists():
-        from longsft.eval.scoring.metrics import score_items
-        from longsft.eval.scoring.score import load_predictions
-
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
         policy = (cfg.get("validation") or {}).get("invalid_policy", "wrong")
         m = score_items(load_predictions(preds), policy, bootstrap)
@@ -164,16 +159,10 @@ def summarize_run(run_dir: Path, bootstrap: int = 0) -> dict:
 def aggregate(dirs: list[str | Path], out: str | Path | None = None, bootstrap: int = 2000) -> str:
     """Markdown table of many runs (e.g. a sweep's tasks); also written to ``out``/report.{md,json}."""
     if bootstrap < 0:
-        from longsft.train.common.errors import ConfigError
-
         raise ConfigError(f"--bootstrap {bootstrap}: replicates must be >= 0 (0: no intervals)")
     if out is not None and (Path(out) / "state.json").exists():
-        from longsft.train.common.errors import ConfigError
-
         raise ConfigError(f"--out {out} is a run directory: its report.md is the run's own; give another folder")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
-        from longsft.train.common.errors import ConfigError
-
         raise ConfigError(f"--out {out} is a file; give a folder")
     rows = [summarize_run(r, bootstrap) for r in find_runs(dirs)]
 
@@ -191,8 +180,6 @@ def aggregate(dirs: list[str | Path], out: str | Path | None = None, bootstrap: 
                      f"{cell(r, 'mcc')} | {_fmt(r.get('invalid_rate'), '.1%')} | {r['train_seconds']:.0f} s |")
     table = "\n".join(lines)
     if out is not None:
-        from longsft.train.common.io import atomic_write_json
-
         out = Path(out)
         atomic_write_text(out / "report.md", "# longsft runs\n\n" + table + "\n\nBA/MCC: the last scored stage's best "
                           "validation checkpoint; CIs: stratified percentile bootstrap of its predictions.\n")
