@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.eval.scoring.judgement import extract_json_object
+from longsft.train.common.jsontext import extract_json_object
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
 from longsft.train.config import from_args

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from longsft.train.common.jsontext import extract_json_object, json_objects, strip_thinking  # noqa: F401 (TEMP re-export)
+from longsft.train.common.jsontext import json_objects, strip_thinking
 
 # The eight canonical types (LongNovel appendix B) and every name they appear under.
 TYPES = ("entity", "numerical", "relation", "inversion", "event", "temporal", "causal", "fabrication")

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from longsft.eval.scoring.judgement import extract_json_object
+from longsft.train.common.jsontext import extract_json_object
 from longsft.train.common.io import read_log
 
 
