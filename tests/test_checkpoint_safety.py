@@ -130,6 +130,7 @@ def test_safe_loading_refuses_what_it_does_not_know(monkeypatch):
     import deepspeed
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
+    from longsft.train.common import compat
     from longsft.train.common.errors import ConfigError
 
     class Engine:
@@ -146,8 +147,9 @@ def test_safe_loading_refuses_what_it_does_not_know(monkeypatch):
         checkpoint.safe_loading(Engine(Other()))
     with pytest.raises(ConfigError, match="with load_universal is not supported"):
         checkpoint.safe_loading(Engine(TorchCheckpointEngine(), universal=True))
-    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
-    with pytest.raises(ConfigError, match=r"DeepSpeed 0.20.0 is not supported: .* only with DeepSpeed 0.19.x"):
+    monkeypatch.setitem(compat.SUPPORTED, "deepspeed", ">=0.20,<0.21")  # as if the installed one were out of range
+    with pytest.raises(ConfigError, match=rf"deepspeed {deepspeed.__version__}: longsft loads DeepSpeed checkpoints "
+                                          r"safely only .*; longsft supports deepspeed>=0.20,<0.21"):
         checkpoint.safe_loading(Engine(TorchCheckpointEngine()))
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import ModelConfig
 from longsft.train.parallel import comm
@@ -170,7 +171,7 @@ def check_attention_routable(model, cfg: ModelConfig) -> None:
     """
     module = type(model).__module__
     native = module.startswith("transformers.models.")
-    if not native or not getattr(model, "_supports_attention_backend", False):
+    if not native or not routes_attention(type(model)):
         raise ConfigError(
             f"model class {type(model).__name__} ({module}) does not route attention through transformers' "
             "attention registry; longsft cannot guarantee correct (sequence-parallel) attention for it. "

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longsft.train.common.compat import aten_op
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -39,17 +41,17 @@ class BlockKernel:
 
 
 def _cpu_fwd(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return aten_op("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, causal, scale=scale)
 
 
 def _cpu_bwd(dout, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+    return aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(dout, q, k, v, out, lse, 0.0, causal,
                                                                                scale=scale)
 
 
 def _flash_fwd(q, k, v, causal, scale):
     # flash_api.cpp mha_fwd: fp16/bf16 only, h % hk == 0, head dim <= 256; lse [b, h, sq] fp32, unpadded
-    r = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    r = aten_op("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1]
 
 
@@ -59,7 +61,7 @@ def _flash_bwd(dout, q, k, v, out, lse, causal, scale):
     # returns it) is read only with dropout.
     seed = torch.empty(2, dtype=torch.uint64, device=q.device)
     offset = torch.empty((), dtype=torch.uint64, device=q.device)
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    return aten_op("_scaled_dot_product_flash_attention_backward")(
         dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
 
 
@@ -68,7 +70,7 @@ LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp rows to this 
 
 def _efficient_fwd(q, k, v, causal, scale):
     # memory-efficient kernel (fp32 as well as fp16/bf16; equal head counts); its lse is [b, h, ceil32(sq)]
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+    out, lse, _, _ = aten_op("_scaled_dot_product_efficient_attention")(q, k, v, None, True, 0.0, causal,
                                                                             scale=scale)
     return out, lse[..., : q.shape[2]]
 
@@ -79,7 +81,7 @@ def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
     padded = lse.new_full((*lse.shape[:2], -(-n // LSE_ALIGN) * LSE_ALIGN), float("inf"))
     padded[..., :n] = lse
     seed = torch.empty((), dtype=torch.int64)  # as the forward returns it without dropout; read only with dropout
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+    dq, dk, dv, _ = aten_op("_scaled_dot_product_efficient_attention_backward")(
         dout, q, k, v, None, out, padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
@@ -115,7 +117,7 @@ def block_fwd(kernel: BlockKernel, q, k, v, causal: bool, scale: float, docs=Non
     """One block: out [b, h, s, d], lse [b, h, s] (fp32). ``docs`` = (doc ids of q rows, of k)."""
     if docs is not None:  # packed documents: an explicit mask (CPU kernel only, checked at start-up)
         mask, empty = _block_mask(docs[0], docs[1], causal, q.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+        out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, False, attn_mask=mask,
                                                                               scale=scale)
         # the kernel reports lse 0 for a row with no visible key; it must weigh nothing in the merge
         return out.masked_fill(empty[:, None, :, None], 0), lse.masked_fill(empty[:, None], float("-inf"))
@@ -126,7 +128,7 @@ def block_bwd(kernel: BlockKernel, dout, q, k, v, out, lse, causal: bool, scale:
     """Gradients of one block given the *final* ``out`` and ``lse`` of the full attention row."""
     if docs is not None:
         mask, _ = _block_mask(docs[0], docs[1], causal, q.dtype)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        return aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")(
             dout, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=scale)
     return kernel.bwd(dout, q, k, v, out, lse, causal, scale)
 

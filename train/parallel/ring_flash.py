@@ -8,12 +8,11 @@ function on contiguous shards: K/V are all-gathered and the documents are passed
 
 from __future__ import annotations
 
-import importlib.machinery
 import importlib.util
-import sys
 
 import torch
 
+from longsft.train.common.compat import import_bare
 from longsft.train.parallel import comm
 from longsft.train.parallel.backends import check_backend
 from longsft.train.parallel.layout import SP
@@ -21,23 +20,15 @@ from longsft.train.parallel.layout import SP
 
 def ring_flash_module(name: str = "zigzag_ring_flash_attn"):
     """A module of ring-flash-attn (``zigzag_ring_flash_attn`` or ``llama3_flash_attn_varlen``),
-    imported without the package's ``__init__``.
+    imported without the package's ``__init__`` (:func:`~longsft.train.common.compat.import_bare`).
 
     ring-flash-attn 0.1.8's ``__init__`` imports its Hugging Face adapter, which imports a helper that
     transformers 5 moved (``is_flash_attn_greater_or_equal_2_10``); we use only the ring functions
-    (our own attention-registry entry replaces the adapter), so the package is registered bare and
-    its ring modules imported directly. Nothing of transformers is patched.
+    (our own attention-registry entry replaces the adapter). Nothing of transformers is patched.
     """
-    if f"ring_flash_attn.{name}" not in sys.modules:
-        spec = importlib.util.find_spec("ring_flash_attn")
-        if spec is None or importlib.util.find_spec("flash_attn") is None:
-            check_backend("ring_flash_attn", 2)  # raises with the fix
-        if "ring_flash_attn" not in sys.modules:
-            package = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(
-                "ring_flash_attn", None, is_package=True))
-            package.__path__ = list(spec.submodule_search_locations)
-            sys.modules["ring_flash_attn"] = package
-    return importlib.import_module(f"ring_flash_attn.{name}")
+    if importlib.util.find_spec("ring_flash_attn") is None or importlib.util.find_spec("flash_attn") is None:
+        check_backend("ring_flash_attn", 2)  # raises with the fix
+    return import_bare("ring_flash_attn", name, "ring-flash-attn")
 
 
 def ring_flash_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:

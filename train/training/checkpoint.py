@@ -28,13 +28,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from longsft.train.common.compat import supported, unsupported, zero3_full_state_dict
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, recover_dir, replace_dir, share_mode
 
 MANIFEST = "manifest.json"
 RNG_FILE = "rng_rank{rank:05d}.safetensors"
 LEGACY_RNG_FILE = "rng_rank{rank:05d}.pt"  # the format before RNG_FILE: a pickle, read with weights_only=True
-SUPPORTED_DEEPSPEED = ("0.19.",)  # :func:`safe_loading` knows these versions' load paths and file contents
 
 
 def save_resume(engine, d, stage_dir: Path, step: int, trainer_state: dict, keep: int = 2) -> Path:
@@ -202,15 +202,13 @@ def safe_loading(engine) -> None:
     (``checkpoint.writer``, DataStates) and universal checkpoints (read by ``torch.load`` directly)
     are refused with a ConfigError.
     """
-    import deepspeed
 
     base, safe = _safe_engine_class()
     if isinstance(engine.checkpoint_engine, safe):
         return
-    if not deepspeed.__version__.startswith(SUPPORTED_DEEPSPEED):
-        raise ConfigError(f"DeepSpeed {deepspeed.__version__} is not supported: longsft loads checkpoints safely "
-                          f"only with DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)} "
-                          "(pip install 'deepspeed>=0.19,<0.20')")
+    if not supported("deepspeed"):
+        raise unsupported("deepspeed", "longsft loads DeepSpeed checkpoints safely only where it knows their load "
+                                       "paths and file contents")
     if type(engine.checkpoint_engine) is not base or engine.load_universal_checkpoint():
         raise ConfigError(f"DeepSpeed config: checkpoint engine {type(engine.checkpoint_engine).__name__}"
                           f"{' with load_universal' if engine.load_universal_checkpoint() else ''} is not supported; "
@@ -228,7 +226,7 @@ def export_hf(engine, tokenizer, d, out_dir: Path, extra: dict | None = None) ->
     ``use_cache=False`` in memory), and its files get the user's umask mode (safetensors writes 0600).
     """
     if engine.zero_optimization_partition_weights():
-        state = engine._zero3_consolidated_16bit_state_dict()  # gathers on rank 0; every rank must call
+        state = zero3_full_state_dict(engine)  # gathers on rank 0; every rank must call
     else:
         state = engine.module.state_dict() if d.is_main else None
     if d.is_main:

@@ -1,0 +1,160 @@
+"""Version guards: the dependency versions longsft is tested with, and one wrapper per private API.
+
+Each wrapper checks that the private API it uses is there, in the shape longsft calls it, and
+otherwise raises :class:`UnsupportedVersion` naming the installed version and the supported range
+(``SUPPORTED``, which ``pyproject.toml`` repeats and ``tests/test_compat.py`` holds equal):
+
+- :func:`aten_op`: PyTorch's private fused attention ops, called positionally by the ring
+  (the positional argument names are checked against the op's schema);
+- :func:`zero3_full_state_dict`: DeepSpeed's ``_zero3_consolidated_16bit_state_dict``;
+- :func:`routes_attention`: transformers' ``_supports_attention_backend`` class flag;
+- :func:`import_bare`: a ring-flash-attn module imported without the package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import sys
+
+from longsft.train.common.errors import ConfigError
+
+# distribution -> the versions tested (pyproject.toml states the same ranges)
+SUPPORTED = {
+    "torch": ">=2.11,<2.14",
+    "deepspeed": ">=0.19,<0.20",
+    "transformers": ">=5.24,<6",
+    "ring-flash-attn": "==0.1.8",
+}
+
+
+class UnsupportedVersion(ConfigError):
+    """An installed dependency lacks (or changed) a private API longsft uses."""
+
+
+def installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def supported(dist: str, version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed one) of ``dist`` is in ``SUPPORTED``."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    version = installed(dist) if version is None else version
+    if version is None:
+        return False
+    return Version(Version(version).base_version) in SpecifierSet(SUPPORTED[dist])
+
+
+def unsupported(dist: str, what: str) -> UnsupportedVersion:
+    """The error for a private API ``what`` of ``dist`` that is missing or changed."""
+    have = installed(dist) or "not installed"
+    return UnsupportedVersion(f"{dist} {have}: {what}; longsft supports {dist}{SUPPORTED[dist]} "
+                              f"(pip install '{dist}{SUPPORTED[dist]}')")
+
+
+# ---------------------------------------------------------------------------------------- PyTorch
+
+# The private aten ops the ring calls, with the names of the arguments it passes by position and
+# by keyword. Positional names are checked in order: a reordered schema would otherwise feed a
+# tensor or flag into the wrong slot without any error.
+ATEN_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": (
+        ("query", "key", "value", "dropout_p", "is_causal"), ("attn_mask", "scale")),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal"), ("attn_mask", "scale")),
+    "_scaled_dot_product_flash_attention": (
+        ("query", "key", "value", "dropout_p", "is_causal", "return_debug_mask"), ("scale",)),
+    "_scaled_dot_product_flash_attention_backward": (
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+         "dropout_p", "is_causal", "philox_seed", "philox_offset"), ("scale",)),
+    "_scaled_dot_product_efficient_attention": (
+        ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"), ("scale",)),
+    "_scaled_dot_product_efficient_attention_backward": (
+        ("grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
+         "dropout_p", "grad_input_mask", "is_causal"), ("scale",)),
+}
+# outputs read by position: (output, logsumexp) first
+_ATEN_OUTPUTS = 2
+
+
+def check_schema(name: str, schema) -> None:
+    """Raise :class:`UnsupportedVersion` unless ``schema`` (a ``torch._C.FunctionSchema``) takes the
+    arguments ``ATEN_OPS[name]`` passes, positional ones in that order, and returns at least two values."""
+    positional, keywords = ATEN_OPS[name]
+    args = [a for a in schema.arguments if not a.kwarg_only]
+    names = tuple(a.name for a in args[: len(positional)])
+    kw = {a.name for a in schema.arguments if a.kwarg_only}
+    if names != positional or not set(keywords) <= kw or len(schema.returns) < _ATEN_OUTPUTS:
+        raise unsupported("torch", f"aten::{name} changed (schema now {schema}; longsft passes "
+                                   f"{', '.join(positional)} by position and {', '.join(keywords)} by keyword)")
+
+
+@functools.cache
+def aten_op(name: str):
+    """``torch.ops.aten.<name>.default``, its schema checked once against what the ring passes."""
+    import torch
+
+    try:
+        op = getattr(torch.ops.aten, name).default
+    except (AttributeError, RuntimeError):
+        raise unsupported("torch", f"aten::{name} is missing") from None
+    check_schema(name, op._schema)
+    return op
+
+
+# -------------------------------------------------------------------------------------- DeepSpeed
+
+
+def zero3_full_state_dict(engine) -> dict | None:
+    """The full 16-bit state dict of a ZeRO-3 engine on rank 0 (None elsewhere); every rank must call."""
+    gather = getattr(engine, "_zero3_consolidated_16bit_state_dict", None)
+    if gather is None:
+        raise unsupported("deepspeed", "DeepSpeedEngine._zero3_consolidated_16bit_state_dict is missing "
+                                       "(longsft exports the best checkpoint through it)")
+    return gather()
+
+
+# ----------------------------------------------------------------------------------- transformers
+
+
+def routes_attention(model_cls: type) -> bool:
+    """Whether ``model_cls`` sends attention through transformers' attention registry
+    (``PreTrainedModel._supports_attention_backend``)."""
+    from transformers import PreTrainedModel
+
+    if not hasattr(PreTrainedModel, "_supports_attention_backend"):
+        raise unsupported("transformers", "PreTrainedModel._supports_attention_backend is missing (longsft checks "
+                                          "with it that a model's attention can be sequence-parallel)")
+    return bool(getattr(model_cls, "_supports_attention_backend", False))
+
+
+# -------------------------------------------------------------------------------- ring-flash-attn
+
+
+def import_bare(package: str, module: str, dist: str):
+    """``package.module`` imported without running ``package/__init__.py`` (registered as a bare package).
+
+    For ring-flash-attn 0.1.8, whose ``__init__`` imports its Hugging Face adapter, which imports a
+    helper transformers 5 moved (``is_flash_attn_greater_or_equal_2_10``). Only the supported
+    version is imported this way: another one may need its ``__init__``.
+    """
+    name = f"{package}.{module}"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not supported(dist):
+        raise unsupported(dist, f"{name} is imported without the package's __init__, which is checked only for "
+                                "the supported version")
+    if package not in sys.modules:
+        spec = importlib.util.find_spec(package)
+        bare = importlib.util.module_from_spec(importlib.machinery.ModuleSpec(package, None, is_package=True))
+        bare.__path__ = list(spec.submodule_search_locations)
+        sys.modules[package] = bare
+    return importlib.import_module(name)
