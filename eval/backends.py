@@ -1,13 +1,17 @@
 """Generation backends for ``longsft eval``: HF transformers, vLLM, OpenAI-compatible HTTP.
 
-Each turns a user message into the model's reply, greedily (temperature 0), and reports token
-counts. ``generate(prompt) -> Generation``; prompts are plain text, chat templates are applied here.
+Each turns a conversation into the model's reply and reports token counts:
+``chat(messages) -> Generation`` (greedy unless told otherwise; chat templates are applied here) and
+``generate(prompt)``, the same for one user message.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
+
+from longsft.train.common.llm import Endpoint, EndpointError
 
 
 @dataclass
@@ -17,6 +21,12 @@ class Generation:
     gen_tokens: int
     seconds: float
     error: str | None = None
+    finish_reason: str = "stop"  # "length" when it stopped at the token limit
+
+
+def user(prompt: str) -> list[dict]:
+    """A conversation of one user message."""
+    return [{"role": "user", "content": prompt}]
 
 
 class HFBackend:
@@ -56,24 +66,49 @@ class HFBackend:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
         self.max_new_tokens, self.enable_thinking = max_new_tokens, enable_thinking
+        self._tok_lock = threading.Lock()  # tokenizers are not thread-safe (longsft serve's workers share one)
+
+    @property
+    def context(self) -> int | None:
+        """The model's context length in tokens (``max_position_embeddings``), if it states one."""
+        return getattr(self.model.config, "max_position_embeddings", None)
 
     def count(self, text: str) -> int:
         return len(self.tok.encode(text, add_special_tokens=False))
 
-    def generate(self, prompt: str) -> Generation:
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """The conversation through the chat template, ready for the assistant's turn."""
+        with self._tok_lock:
+            return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False, enable_thinking=self.enable_thinking))
+
+    def generate_ids(self, ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int | None = None) -> Generation:
+        """The reply to prompt token ids: greedy at temperature 0, else sampled (``seed``: repeatable)."""
         import torch
 
-        t0 = time.time()
-        ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False, enable_thinking=self.enable_thinking)
-        x = torch.tensor([list(ids)], device=self.device)
+        t0, limit = time.time(), max_new_tokens or self.max_new_tokens
+        sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0
+                    else {"do_sample": False})
+        x = torch.tensor([ids], device=self.device)
         with torch.no_grad():
-            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=self.max_new_tokens,
-                                      do_sample=False, use_cache=True, pad_token_id=self.tok.pad_token_id,
-                                      eos_token_id=self.tok.eos_token_id)
-        new = out[0, x.shape[1]:]
-        return Generation(self.tok.decode(new, skip_special_tokens=True), x.shape[1], int(new.shape[0]),
-                          time.time() - t0)
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=limit,
+                                      use_cache=True, pad_token_id=self.tok.pad_token_id,
+                                      eos_token_id=self.tok.eos_token_id, **sampling)
+        new = out[0, x.shape[1]:].tolist()
+        with self._tok_lock:
+            text = self.tok.decode(new, skip_special_tokens=True)
+        eos = self.tok.eos_token_id if isinstance(self.tok.eos_token_id, list) else [self.tok.eos_token_id]
+        finish = "length" if len(new) >= limit and (not new or new[-1] not in eos) else "stop"
+        return Generation(text, len(ids), len(new), time.time() - t0, finish_reason=finish)
+
+    def chat(self, messages: list[dict]) -> Generation:
+        return self.generate_ids(self.encode_chat(messages))
+
+    def generate(self, prompt: str) -> Generation:
+        return self.chat(user(prompt))
 
 
 def vllm_engine_args(model_cfg, max_model_len: int = 0, tensor_parallel: int = 1) -> dict:
@@ -119,42 +154,41 @@ class VLLMBackend:
         self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
         self.chat_kwargs = {"enable_thinking": enable_thinking}
 
-    def generate(self, prompt: str) -> Generation:
+    def chat(self, messages: list[dict]) -> Generation:
         t0 = time.time()
-        (out,) = self.llm.chat([{"role": "user", "content": prompt}], self.params,
-                               chat_template_kwargs=self.chat_kwargs, use_tqdm=False)
-        return Generation(out.outputs[0].text, len(out.prompt_token_ids), len(out.outputs[0].token_ids),
-                          time.time() - t0)
+        (out,) = self.llm.chat(messages, self.params, chat_template_kwargs=self.chat_kwargs, use_tqdm=False)
+        done = out.outputs[0]
+        return Generation(done.text, len(out.prompt_token_ids), len(done.token_ids), time.time() - t0,
+                          finish_reason="length" if done.finish_reason == "length" else "stop")
+
+    def generate(self, prompt: str) -> Generation:
+        return self.chat(user(prompt))
 
 
 class OpenAIBackend:
-    """Any OpenAI-compatible endpoint; retries with backoff; optional requests-per-minute limit."""
+    """Any OpenAI-compatible endpoint through longsft's one LLM client (:class:`~longsft.train.common.llm.Endpoint`:
+    the SDK's retries, ``Retry-After`` honoured); optional requests-per-minute limit. An endpoint that
+    gives no answer after the retries is a failed :class:`Generation` (recorded, retried on the next run)."""
 
     name = "openai"
 
     def __init__(self, model: str, base_url: str, max_new_tokens: int, api_key_env: str = "OPENAI_API_KEY",
                  requests_per_minute: float = 0.0, retries: int = 4):
-        from longsft.train.common.llm import Endpoint
-
-        self.ep = Endpoint(model, base_url.rstrip("/"), api_key_env)
-        self.max_new_tokens, self.retries = max_new_tokens, retries
+        self.ep = Endpoint(model, base_url.rstrip("/"), api_key_env, retries=retries)
+        self.max_new_tokens = max_new_tokens
         self.min_interval = 60.0 / requests_per_minute if requests_per_minute > 0 else 0.0
         self._last = 0.0
 
-    def generate(self, prompt: str) -> Generation:
-        from longsft.train.common.llm import chat_full
+    def chat(self, messages: list[dict]) -> Generation:
+        wait = self._last + self.min_interval - time.time()
+        if wait > 0:
+            time.sleep(wait)
+        t0 = self._last = time.time()
+        try:
+            r = self.ep.chat(messages, self.max_new_tokens)
+        except EndpointError as e:
+            return Generation("", 0, 0, time.time() - t0, error=f"EndpointError: {e}")
+        return Generation(r.text, r.prompt_tokens, r.completion_tokens, time.time() - t0)
 
-        t0, error = time.time(), None
-        for attempt in range(self.retries + 1):
-            wait = self._last + self.min_interval - time.time()
-            if wait > 0:
-                time.sleep(wait)
-            self._last = time.time()
-            try:
-                text, usage = chat_full(self.ep, [{"role": "user", "content": prompt}], self.max_new_tokens)
-                return Generation(text, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                                  time.time() - t0)
-            except Exception as e:  # HTTP 429/5xx, timeouts, bad JSON: back off and retry
-                error = f"{type(e).__name__}: {e}"
-                time.sleep(min(30.0, 0.5 * 2 ** attempt))
-        return Generation("", 0, 0, time.time() - t0, error=error)
+    def generate(self, prompt: str) -> Generation:
+        return self.chat(user(prompt))

@@ -39,7 +39,6 @@ search over the whole story (we locate quotes in the paragraph the judge cites).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import sys
@@ -48,9 +47,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.train.common.jsontext import extract_json_object
+from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
+from longsft.train.common.llm import answer_key, reask_json
 from longsft.train.config import from_args
 
 # Five categories, 19 subtypes (our reading of the paper's taxonomy).
@@ -118,29 +118,38 @@ def count_words(text: str) -> int:
 
 
 class Judge:
-    """One backend, JSON answers validated and re-asked with the complaint; every answer cached."""
+    """One backend, JSON answers validated and re-asked with the complaint (:func:`reask_json`); every
+    valid answer cached."""
 
-    def __init__(self, backend, cache, key_prefix: str, retries: int = 2):
+    def __init__(self, backend, cache: AppendCache, key_prefix: str, retries: int = 2):
         self.backend, self.cache, self.prefix, self.retries = backend, cache, key_prefix, retries
         self.failures: list[str] = []
 
     def ask(self, prompt: str, validate) -> dict | None:
-        import hashlib
+        key = answer_key(self.prefix, prompt)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit["answer"]
 
-        key = hashlib.sha256(f"{self.prefix}\0{prompt}".encode()).hexdigest()
-        if self.cache.ok(key):
-            return self.cache.done[key]["answer"]
-        text, complaint = prompt, None
-        for _ in range(self.retries + 1):
-            g = self.backend().generate(text)
-            obj = extract_json_object(g.text) if g.error is None else None
-            complaint = g.error or ("no JSON object in the reply" if obj is None else validate(obj))
-            if complaint is None:
-                self.cache.add({"key": key, "answer": obj, "error": None})
-                return obj
-            text = f"{prompt}\n\nYour previous answer was invalid: {complaint}. Answer again, JSON only."
-        self.failures.append(complaint)
-        return None
+        def reply(messages: list[dict]) -> str:
+            g = self.backend().chat(messages)
+            if g.error is not None:  # the backend gave up (after its own retries): asking again will not help
+                raise _NoAnswer(g.error)
+            return g.text
+
+        try:
+            obj, complaints = reask_json(reply, prompt, validate, self.retries)
+        except _NoAnswer as e:
+            obj, complaints = None, [str(e)]
+        if obj is None:
+            self.failures.append(complaints[-1])
+            return None
+        self.cache.put({"key": key, "answer": obj, "error": None})
+        return obj
+
+
+class _NoAnswer(Exception):
+    pass
 
 
 @dataclass
@@ -411,7 +420,7 @@ def generation_key(cfg: ConStoryConfig, ask: str) -> str:
     """Cache key of one story: the whole request (an edited prompt or setting is a new story)."""
     settings = {"model": cfg.model, "backend": cfg.backend, "recipe": cfg.recipe, "tokenizer": cfg.tokenizer,
                 "max_new_tokens": cfg.max_new_tokens, "temperature": 0}
-    return hashlib.sha256((json.dumps(settings, sort_keys=True) + "\0" + ask).encode()).hexdigest()
+    return answer_key(json.dumps(settings, sort_keys=True), ask)
 
 
 def _check_stories_out(out: Path, model: str) -> None:
@@ -443,7 +452,7 @@ def _unjudged(reports: list[dict]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from longsft.eval.harness import GenerationCache, OutputDir, _Lazy, check_model
+    from longsft.eval.harness import OutputDir, _Lazy, check_model
     from longsft.train.config import wants_help
 
     if wants_help(argv):
@@ -466,17 +475,18 @@ def main(argv: list[str]) -> int:
         check_model(cfg.model, cfg.backend)
         _check_stories_out(out, cfg.model)
         with OutputDir(out) as made:
-            cache = made.cache = GenerationCache(out / "generations.jsonl")
+            cache = made.cache = AppendCache(out / "generations.jsonl")
             backend = _Lazy(lambda: _backend(cfg, cfg.model))
             stories = []
             for p in prompts:
                 ask = f"{p['prompt']}\n\n(Write about {cfg.target_words} words.)"
                 key = generation_key(cfg, ask)
-                if not cache.ok(key):
+                if cache.get(key) is None:
                     g = backend().generate(ask)
-                    cache.add({"key": key, "id": p["id"], "prediction": g.text, "error": g.error})
-                stories.append({**p, "model_name": cfg.model, "generated_story": cache.done[key]["prediction"],
-                                "error": cache.done[key]["error"]})
+                    cache.put({"key": key, "id": p["id"], "prediction": g.text, "error": g.error})
+                story = cache.latest(key)
+                stories.append({**p, "model_name": cfg.model, "generated_story": story["prediction"],
+                                "error": story["error"]})
             write_jsonl(out / "stories.jsonl", stories)
         print(f"{len(stories)} stories -> {out / 'stories.jsonl'}")
         return 0
@@ -486,7 +496,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("judge= is required (the judge model)")
         check_model(cfg.judge, cfg.backend, "judge")
         with OutputDir(out) as made:
-            cache = made.cache = GenerationCache(out / "judge_cache.jsonl")
+            cache = made.cache = AppendCache(out / "judge_cache.jsonl")
             backend = _Lazy(lambda: _backend(cfg, cfg.judge))
             reports = []
             for s in stories:

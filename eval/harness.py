@@ -24,7 +24,6 @@ resumed into or replaced; a rerun of the same evaluation resumes.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -34,8 +33,10 @@ from pathlib import Path
 from typing import Literal
 
 from longsft.eval.scoring.metrics import Item, score_items
+from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import atomic_write_json, check_input_file, read_json, read_log, safe_name, write_jsonl
+from longsft.train.common.io import atomic_write_json, check_input_file, read_json, safe_name, write_jsonl
+from longsft.train.common.llm import answer_key
 from longsft.train.config import config_help, from_args, to_dict
 
 
@@ -207,30 +208,10 @@ def make_backend(cfg: EvalConfig):
     return HFBackend(model_config(cfg), cfg.max_new_tokens, cfg.enable_thinking, cfg.dtype)
 
 
-class GenerationCache:
-    """``generations.jsonl``: the newest good record per key (a cut-off last line is ignored)."""
-
-    def __init__(self, path: Path):
-        self.path, self.done, self.added = path, {}, 0
-        for rec in read_log(path):
-            if rec.get("error") is None or rec["key"] not in self.done:
-                self.done[rec["key"]] = rec
-        self.f = open(path, "a", encoding="utf-8")
-
-    def ok(self, key: str) -> bool:
-        return key in self.done and self.done[key].get("error") is None
-
-    def add(self, rec: dict) -> None:
-        self.done[rec["key"]] = rec
-        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        self.f.flush()
-        self.added += 1
-
-
 def generation_key(cfg: EvalConfig, prompt: str, repeat: int) -> str:
     settings = {"model": cfg.model, "backend": cfg.backend, "max_new_tokens": cfg.max_new_tokens, "temperature": 0,
                 "enable_thinking": cfg.enable_thinking, "repeat": repeat}
-    return hashlib.sha256((json.dumps(settings, sort_keys=True) + "\0" + prompt).encode()).hexdigest()
+    return answer_key(json.dumps(settings, sort_keys=True), prompt)
 
 
 class _Lazy:
@@ -245,14 +226,14 @@ class _Lazy:
         return self.obj
 
 
-def _generate(cfg: EvalConfig, cache: GenerationCache, backend: _Lazy, sid: str, prompt: str, r: int) -> dict:
+def _generate(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, sid: str, prompt: str, r: int) -> dict:
     """The cached record for (prompt, repeat r), generating it when missing or failed before."""
     key = generation_key(cfg, prompt, r)
-    if not cache.ok(key):
+    if cache.get(key) is None:
         g = backend().generate(prompt)
-        cache.add({"key": key, "id": sid, "repeat": r, "prediction": g.text, "prompt_tokens": g.prompt_tokens,
+        cache.put({"key": key, "id": sid, "repeat": r, "prediction": g.text, "prompt_tokens": g.prompt_tokens,
                    "gen_tokens": g.gen_tokens, "seconds": round(g.seconds, 3), "error": g.error})
-    return cache.done[key]
+    return cache.latest(key)
 
 
 def run_eval(cfg: EvalConfig) -> dict:
@@ -266,7 +247,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     out = cfg.out_path
     with OutputDir(out) as made:
         atomic_write_json(out / "config.json", {**to_dict(cfg), "identity": _identity(cfg)})
-        cache = made.cache = GenerationCache(out / "generations.jsonl")
+        cache = made.cache = AppendCache(out / "generations.jsonl")
         return _run(cfg, samples, cache)
 
 
@@ -283,13 +264,13 @@ class OutputDir:
 
     def __exit__(self, kind, *_):
         if self.cache is not None:
-            self.cache.f.close()
+            self.cache.close()
         if kind is not None and self.made and (self.cache is None or not self.cache.added):
             shutil.rmtree(self.out, ignore_errors=True)
         return False
 
 
-def _run(cfg: EvalConfig, samples: list, cache: GenerationCache) -> dict:
+def _run(cfg: EvalConfig, samples: list, cache: AppendCache) -> dict:
     from tqdm import tqdm
 
     from longsft.train.data.prompts import render_prompt

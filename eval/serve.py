@@ -213,48 +213,33 @@ class FifoLock:
 
 
 class App:
-    """Chat completions on one HF model (:class:`~longsft.eval.backends.HFBackend`), one at a time."""
+    """Chat completions on one HF model (:class:`~longsft.eval.backends.HFBackend`), one at a time in
+    arrival order (the backend's ``encode_chat`` / ``generate_ids``)."""
 
     def __init__(self, cfg: ServeConfig, backend):
         self.cfg, self.backend, self.name = cfg, backend, served_name(cfg)
         self.api_key = api_key(cfg)
-        self.context = getattr(backend.model.config, "max_position_embeddings", None)
-        self.gate, self.tok_lock = FifoLock(), threading.Lock()  # the model; the (not thread-safe) tokenizer
+        self.gate = FifoLock()  # the model
         self.created = int(time.time())
 
     def complete(self, body: bytes) -> dict:
-        import torch
-
         req = parse_chat(body, self.cfg)
-        tok = self.backend.tok
         try:
-            with self.tok_lock:
-                ids = list(tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False, enable_thinking=self.cfg.enable_thinking))
+            ids = self.backend.encode_chat(req.messages)
         except Exception as e:  # the template's own checks (jinja raise_exception): the client's messages
             raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
-        if self.context and len(ids) + req.max_tokens > self.context:
-            raise RequestError(400, f"this model's context is {self.context} tokens; the messages take {len(ids)} "
+        context = self.backend.context
+        if context and len(ids) + req.max_tokens > context:
+            raise RequestError(400, f"this model's context is {context} tokens; the messages take {len(ids)} "
                                     f"and max_tokens asks for {req.max_tokens}", "messages", "context_length_exceeded")
-        sampling = ({"do_sample": True, "temperature": req.temperature, "top_p": req.top_p, "top_k": 0}
-                    if req.temperature > 0 else {"do_sample": False})
-        x = torch.tensor([ids], device=self.backend.device)
-        with self.gate, torch.no_grad():
-            if req.seed is not None:
-                torch.manual_seed(req.seed)
-            out = self.backend.model.generate(input_ids=x, attention_mask=torch.ones_like(x),
-                                              max_new_tokens=req.max_tokens, use_cache=True,
-                                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **sampling)
-        new = out[0, x.shape[1]:].tolist()
-        with self.tok_lock:
-            text = tok.decode(new, skip_special_tokens=True)
-        eos = tok.eos_token_id if isinstance(tok.eos_token_id, list) else [tok.eos_token_id]
-        finish = "length" if len(new) >= req.max_tokens and new[-1] not in eos else "stop"
+        with self.gate:
+            g = self.backend.generate_ids(ids, req.max_tokens, req.temperature, req.top_p, req.seed)
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name,
-                "choices": [{"index": 0, "finish_reason": finish, "message": {"role": "assistant", "content": text}}],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new),
-                          "total_tokens": len(ids) + len(new)}}
+                "choices": [{"index": 0, "finish_reason": g.finish_reason,
+                             "message": {"role": "assistant", "content": g.text}}],
+                "usage": {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.gen_tokens,
+                          "total_tokens": g.prompt_tokens + g.gen_tokens}}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from llm_server import Server
 
 from longsft.eval.backends import OpenAIBackend
 from longsft.eval.constory import Judge, _windows, check_story, count_words, fractional_ranks, metrics, paragraphs
-from longsft.eval.harness import GenerationCache, _Lazy
+from longsft.eval.harness import _Lazy
+from longsft.train.common.cache import AppendCache
 
 FILLER_EN = "The rain kept falling on the old town, and the river rose a little more each night."
 FILLER_ZH = "雨一直下着，小镇的河水每晚都涨高一点。"
@@ -42,7 +43,7 @@ def server():
 
 def _judge(server, tmp_path):
     backend = _Lazy(lambda: OpenAIBackend("constory-judge", server.url, 512, retries=0))
-    return Judge(backend, GenerationCache(tmp_path / "cache.jsonl"), "constory-judge")
+    return Judge(backend, AppendCache(tmp_path / "cache.jsonl"), "constory-judge")
 
 
 def test_planted_contradictions_are_found_at_exact_offsets(server, tmp_path):

@@ -121,7 +121,8 @@ def _synthesise(args) -> int:
     import json
     import random
 
-    from longsft.train.common.llm import Cache, Endpoint, EndpointError
+    from longsft.train.common.cache import AppendCache
+    from longsft.train.common.llm import Endpoint, EndpointError
     from longsft.train.datagen.erhg import check_paths
 
     def endpoint(spec: str) -> Endpoint:
@@ -154,7 +155,7 @@ def _synthesise(args) -> int:
             from longsft.train.datagen.erhg import LLMEngine, RuleEngine
             from longsft.train.datagen.erhg import run as run_erhg
 
-            engine = LLMEngine(ep, Cache(cache)) if ep else RuleEngine(random.Random(args.seed))
+            engine = LLMEngine(ep, AppendCache(cache)) if ep else RuleEngine(random.Random(args.seed))
             stats = run_erhg(args.input, args.out, engine, args.multi, args.seed)
     except EndpointError as e:
         kept = f" (the answers so far are cached in {cache}: a rerun resumes)" if os.path.exists(cache) else ""

@@ -86,22 +86,70 @@ def read_json(path: str | Path, what: str = "JSON file") -> Any:
     return _loads(text, str(path), document=True)
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """Yield (line_number, record) for each non-blank line; malformed lines raise DataError."""
+def iter_jsonl(path: str | Path, log: bool = False) -> Iterator[tuple[int, dict]]:
+    """Yield (line_number, record) for each non-blank line of a JSONL file.
+
+    A data file (the default): a missing file or a malformed line is a DataError naming file:line.
+    An append-only log longsft writes itself (``log=True``: caches, ``metrics.jsonl``): a missing file
+    yields nothing and a line that does not decode to an object is skipped (a crash cut it off).
+    """
+    path = Path(path)
+    if log and not path.exists():
+        return
     path = check_input_file(path)
     with path.open("rb") as f:  # bytes, decoded per line: a bad byte is reported on its own line
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                rec = _loads(line, f"{path}:{lineno}")
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             except UnicodeDecodeError as e:
+                if log:
+                    continue
                 raise DataError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x}); "
                                 "is it a binary file?") from None
-            if not line.strip():
-                continue
-            rec = _loads(line, f"{path}:{lineno}")
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            except DataError:
+                if log:
+                    continue
+                raise
             yield lineno, rec
+
+
+def _cut_off(path: Path) -> bool:
+    """Whether ``path``'s last line lacks its newline (a missing or empty file: no)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+class JsonlLog:
+    """An append-only JSONL log: one flushed line per record, so a crash loses at most the line it
+    cut off (which :func:`iter_jsonl` with ``log=True`` skips). The file is opened at the first record
+    (a run that writes none leaves no file); a cut-off last line is ended first, so the next record
+    starts a line of its own."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.f = Path(path), None
+
+    def write(self, record: dict) -> None:
+        if self.f is None:
+            cut = _cut_off(self.path)
+            self.f = self.path.open("a", encoding="utf-8")
+            if cut:
+                self.f.write("\n")
+        self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            self.f = None
 
 
 def _umask() -> int:
@@ -138,18 +186,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-def read_log(path: str | Path):
-    """Records of an append-only JSONL log; a line cut off by a crash is skipped, not an error."""
-    if not Path(path).exists():
-        return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except ValueError:
-                continue
 
 
 def write_jsonl(path: str | Path, records: list[dict]) -> None:

@@ -1,38 +1,44 @@
-"""A minimal client for OpenAI-compatible chat endpoints (vLLM, SGLang, llama.cpp, hosted APIs).
+"""The one client for OpenAI-compatible chat endpoints (vLLM, SGLang, llama.cpp, hosted APIs).
 
-Standard library only. :func:`ask_json` sends a prompt, parses a JSON object from the reply,
-checks it with the caller's validator, and retries (with the complaint appended) when the reply
-is malformed; a reply that never validates is :class:`LLMError` (the caller reports it and goes
-on). An endpoint that does not answer at all (refused, timed out, HTTP error, not a chat
-completion) is :class:`EndpointError` after two short, printed retries: the build stops at the
-first request instead of grinding through every sample; answers so far stay cached.
+Data construction (ERHG, MMA), ``longsft eval backend=openai`` and ConStory's judge all ask through
+:class:`Endpoint`, on the ``openai`` SDK: one client per endpoint keeps its connections open, and
+connection errors, timeouts and HTTP 408/409/429/5xx are retried with exponential backoff, honouring
+the server's ``Retry-After`` (up to two minutes). Each retry is printed. An endpoint that gives no
+answer after the retries, or refuses the request (wrong model, key or URL), is
+:class:`EndpointError`: a build stops at the first request instead of grinding through every sample.
+
+:func:`reask_json` is the one "re-ask with the complaint" loop: a JSON object is parsed from the
+reply and checked by the caller's validator; a complaint goes back to the model as the next turn.
+:func:`ask_json` adds the answer cache.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import hashlib
-import http.client
-import json
+import logging
 import os
 import sys
-import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from longsft.train.common.cache import AppendCache
 from longsft.train.common.jsontext import extract_json_object
-from longsft.train.common.io import read_log
+
+RETRYABLE_HTTP = (408, 409, 429, 500, 502, 503, 504)
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """``model@base_url`` (key from ``api_key_env``)."""
+    """``model@base_url``; the key is read from ``api_key_env``; ``retries`` after the first request."""
 
     model: str
     base_url: str
     api_key_env: str = "OPENAI_API_KEY"
     temperature: float = 0.0
     timeout_s: float = 300.0
+    retries: int = 2
 
     @classmethod
     def parse(cls, spec: str) -> "Endpoint":
@@ -41,107 +47,127 @@ class Endpoint:
             raise ValueError(f"endpoint {spec!r}: expected MODEL@http(s)://host:port/v1")
         return cls(model, url.rstrip("/"))
 
+    def __str__(self) -> str:
+        return f"{self.model}@{self.base_url}"
+
+    def chat(self, messages: list[dict], max_tokens: int = 1024) -> "Reply":
+        """One chat completion (after the SDK's retries), or :class:`EndpointError`."""
+        import openai
+
+        token = _ASKING.set(str(self))
+        try:
+            r = _client(self.base_url, os.environ.get(self.api_key_env) or "none", self.timeout_s, self.retries) \
+                .chat.completions.create(model=self.model, messages=messages, temperature=self.temperature,
+                                         max_tokens=max_tokens)
+            text = r.choices[0].message.content or ""
+            usage = r.usage
+        except openai.APIStatusError as e:
+            detail = e.body.get("message") if isinstance(e.body, dict) else e.body
+            detail = " ".join(str(detail or "").split())[:300]
+            why = f"HTTP {e.status_code}" + (f": {detail}" if detail else "")
+            if e.status_code in RETRYABLE_HTTP:
+                raise EndpointError(f"{self}: no answer after {self.retries + 1} requests ({why})") from None
+            raise EndpointError(f"{self}: {why}; wrong model name, key or URL?") from None
+        except openai.APIConnectionError as e:
+            cause = e.__cause__ or e.__context__
+            why = f"{e.message} {cause}".strip() if cause else e.message
+            raise EndpointError(f"{self}: no answer after {self.retries + 1} requests ({why}); is the server "
+                                "running at that URL?") from None
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError, openai.APIResponseValidationError) as e:
+            raise EndpointError(f"{self}: the reply is not an OpenAI chat completion ({type(e).__name__}); is the "
+                                "URL the API root (…/v1)?") from None
+        finally:
+            _ASKING.reset(token)
+        return Reply(text, getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0)
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+
 
 class LLMError(RuntimeError):
-    """The endpoint answered, but no answer validated after the retries."""
+    """The endpoint answered, but no answer validated after the re-asks."""
 
 
 class EndpointError(RuntimeError):
     """The endpoint gave no answer at all: down, wrong URL or model, refusing requests."""
 
 
-RETRYABLE_HTTP = (408, 429, 500, 502, 503, 504)
+@functools.cache
+def _client(base_url: str, api_key: str, timeout_s: float, retries: int):
+    import openai
+
+    _print_retries()
+    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=retries)
 
 
-def chat_full(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> tuple[str, dict]:
-    """(reply text, usage dict) of one chat completion."""
-    body = json.dumps({"model": ep.model, "messages": messages, "temperature": ep.temperature,
-                       "max_tokens": max_tokens}).encode()
-    req = urllib.request.Request(f"{ep.base_url}/chat/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {os.environ.get(ep.api_key_env, 'none')}"})
-    with urllib.request.urlopen(req, timeout=ep.timeout_s) as r:
-        reply = json.loads(r.read())
-    return reply["choices"][0]["message"]["content"] or "", reply.get("usage") or {}
+# ------------------------------------------------------------------------------ printed retries
+
+_ASKING: contextvars.ContextVar[str] = contextvars.ContextVar("longsft_endpoint", default="endpoint")
 
 
-def chat(ep: Endpoint, messages: list[dict], max_tokens: int = 1024) -> str:
-    return chat_full(ep, messages, max_tokens)[0]
+class _RetryLine(logging.Handler):
+    """The SDK's "Retrying request in S seconds (retry N of M)" as one line on stderr, naming the endpoint."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("Retrying request in") and len(record.args or ()) == 3:
+            wait, n, total = record.args
+            print(f"longsft: {_ASKING.get()}: request failed; retry {n}/{total} in {wait:.1f}s", file=sys.stderr,
+                  flush=True)
 
 
-class Cache:
-    """Valid answers by (model, prompt), appended to a JSONL file: an interrupted build resumes
-    without asking again (a half-written last line is ignored)."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.path = path
-        self.data = {rec["key"]: rec["answer"] for rec in read_log(path)
-                     if isinstance(rec, dict) and "key" in rec} if path else {}
-        self.f = None  # opened at the first answer: a run that gets none leaves no file
-
-    @staticmethod
-    def key(ep: Endpoint, prompt: str) -> str:
-        return hashlib.sha256(f"{ep.model}\0{ep.base_url}\0{prompt}".encode()).hexdigest()
-
-    def get(self, key: str) -> dict | None:
-        return self.data.get(key)
-
-    def put(self, key: str, answer: dict) -> None:
-        self.data[key] = answer
-        if self.path and self.f is None:
-            self.f = open(self.path, "a", encoding="utf-8")
-        if self.f:
-            self.f.write(json.dumps({"key": key, "answer": answer}, ensure_ascii=False) + "\n")
-            self.f.flush()
+@functools.cache
+def _print_retries() -> None:
+    log = logging.getLogger("openai._base_client")
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    log.addHandler(_RetryLine(logging.INFO))
 
 
-def _request(ep: Endpoint, messages: list[dict], tries: int, backoff_s: float) -> str:
-    """One reply text; connection errors, timeouts and HTTP 408/429/5xx are retried ``tries - 1``
-    times (each retry printed), anything else fails at once: :class:`EndpointError` names the endpoint."""
-    for attempt in range(tries):
-        try:
-            return chat(ep, messages)
-        except urllib.error.HTTPError as e:
-            detail = " ".join(e.read(300).decode("utf-8", "replace").split())
-            why = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
-            if e.code not in RETRYABLE_HTTP:
-                raise EndpointError(f"{ep.model}@{ep.base_url}: {why}; wrong model name, key or URL?") from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
-            why = f"{getattr(e, 'reason', None) or e}"
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise EndpointError(f"{ep.model}@{ep.base_url}: the reply is not an OpenAI chat completion ({e!r}); "
-                                "is the URL the API root (…/v1)?") from None
-        if attempt + 1 < tries:
-            wait = backoff_s * 2 ** attempt
-            print(f"longsft: {ep.model}@{ep.base_url}: request failed ({why}); retry {attempt + 1}/{tries - 1} "
-                  f"in {wait:g}s", file=sys.stderr, flush=True)
-            time.sleep(wait)
-    raise EndpointError(f"{ep.model}@{ep.base_url}: no answer after {tries} requests ({why}); is the server "
-                        "running at that URL?")
+# ------------------------------------------------------------------------------ re-asking
 
 
-def ask_json(ep: Endpoint, prompt: str, validate, retries: int = 3, backoff_s: float = 0.5,
-             cache: Cache | None = None, network_tries: int = 3) -> dict:
-    """Ask until ``validate(obj)`` returns None (valid) or the retries run out (:class:`LLMError`).
+def reask_json(reply: Callable[[list[dict]], str], prompt: str, validate: Callable[[dict], str | None],
+               retries: int) -> tuple[dict | None, list[str]]:
+    """(the first valid JSON object, complaints so far) after at most ``retries`` re-asks.
 
-    ``validate`` returns a complaint string for a parsed-but-wrong object; it is sent back to the
-    model on the next try. A request that gets no reply is retried ``network_tries - 1`` times with
-    backoff, then raises :class:`EndpointError` (the endpoint is down: stop, do not go on)."""
-    key = Cache.key(ep, prompt) if cache else None
-    if cache and cache.get(key) is not None:
-        return cache.get(key)
+    ``reply(messages) -> text`` asks the model; ``validate(obj)`` returns None for a valid object or
+    a complaint, which is sent back as the next user turn (after the model's own answer). No valid
+    object after the re-asks: (None, every complaint)."""
     messages = [{"role": "user", "content": prompt}]
-    problems = []
+    complaints = []
     for _ in range(retries + 1):
-        text = _request(ep, messages, network_tries, backoff_s)
+        text = reply(messages)
         obj = extract_json_object(text)
         complaint = "no JSON object in the reply" if obj is None else validate(obj)
         if complaint is None:
-            if cache:
-                cache.put(key, obj)
-            return obj
-        problems.append(complaint)
+            return obj, complaints
+        complaints.append(complaint)
         messages = messages[:1] + [{"role": "assistant", "content": text},
                                    {"role": "user", "content": f"Invalid answer: {complaint}. Reply with the "
                                                                "corrected JSON object only."}]
-    raise LLMError(f"{ep.model}: no valid answer after {retries + 1} tries: {'; '.join(problems)}")
+    return None, complaints
+
+
+def answer_key(*parts: str) -> str:
+    """Cache key of an answer: a hash of what determines it (model, endpoint, prompt, ...)."""
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def ask_json(ep: Endpoint, prompt: str, validate: Callable[[dict], str | None], retries: int = 3,
+             cache: AppendCache | None = None) -> dict:
+    """A valid JSON answer of ``ep`` to ``prompt`` (:func:`reask_json`), cached by (model, endpoint,
+    prompt); :class:`LLMError` when none validates, :class:`EndpointError` when the endpoint is down."""
+    key = answer_key(ep.model, ep.base_url, prompt)
+    hit = cache.get(key) if cache else None
+    if hit is not None:
+        return hit["answer"]
+    obj, complaints = reask_json(lambda messages: ep.chat(messages).text, prompt, validate, retries)
+    if obj is None:
+        raise LLMError(f"{ep.model}: no valid answer after {retries + 1} tries: {'; '.join(complaints)}")
+    if cache:
+        cache.put({"key": key, "answer": obj})
+    return obj

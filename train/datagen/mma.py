@@ -24,8 +24,9 @@ import math
 from collections import Counter
 
 from longsft.eval.scoring.judgement import normalize_types
+from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
-from longsft.train.common.llm import Cache, Endpoint, LLMError, ask_json
+from longsft.train.common.llm import Endpoint, LLMError, ask_json
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import Sample, read_records
 from longsft.train.datagen.erhg import check_paths
@@ -76,7 +77,7 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
         raise ValueError("MMA needs exactly two judges (--judge twice)")
     check_paths(inputs, out)
     recs = read_records(inputs, ("id", "language", "article"))
-    cache = Cache(str(out) + ".cache.jsonl")
+    cache = AppendCache(str(out) + ".cache.jsonl")
     samples, problems, stats = [], [], Counter()
     pair_labels = Counter()
     for rec in recs:

@@ -5,7 +5,6 @@ Only rank 0 writes. Every record carries ``stage`` and ``step``; ``kind`` is ``t
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from longsft.train.common.io import JsonlLog, iter_jsonl
 from longsft.train.config import LoggingConfig
 
 
@@ -27,7 +27,7 @@ class Tracker:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, enabled: bool, run_config: dict | None = None):
         self.enabled = enabled
         self.cfg = cfg
-        self.path = run_dir / "metrics.jsonl"
+        self.metrics = JsonlLog(run_dir / "metrics.jsonl")
         self.bar = None
         self.wandb = None
         if enabled and cfg.wandb and cfg.wandb_mode != "disabled":
@@ -47,8 +47,7 @@ class Tracker:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.metrics.write(record)
         if self.wandb is not None:
             prefix = f"{record['stage']}/{record['kind']}/"
             self.wandb.log({prefix + k: v for k, v in record.items() if isinstance(v, (int, float))})
@@ -76,6 +75,7 @@ class Tracker:
 
     def close(self) -> None:
         self.end_stage()
+        self.metrics.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -87,7 +87,5 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """``metrics.jsonl`` of a run (a line cut off by a crash skipped)."""
+    return [rec for _, rec in iter_jsonl(run_dir / "metrics.jsonl", log=True)]

@@ -1,0 +1,149 @@
+"""The one LLM client (openai SDK) against a real local HTTP server: Retry-After honoured, retries printed,
+refusals at once, one kept-alive connection; the re-ask helper; the one append-only cache and JSONL reader."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from longsft.train.common.cache import AppendCache
+from longsft.train.common.errors import DataError
+from longsft.train.common.io import JsonlLog, iter_jsonl
+from longsft.train.common.llm import Endpoint, EndpointError, LLMError, ask_json, reask_json
+
+
+class Script:
+    """A chat endpoint that answers from a script: each entry (status, headers, reply text) serves one request."""
+
+    def __init__(self, script):
+        self.script, self.seen = list(script), []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.seen.append((time.monotonic(), self.client_address[1], body))
+                status, headers, text = outer.script.pop(0) if outer.script else (200, {}, '{"ok": true}')
+                data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                                   "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": text}}],
+                                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+                                  if status == 200 else {"error": {"message": text}}).encode()
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def script():
+    made = []
+
+    def make(*entries):
+        made.append(Script(entries))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_retry_after_is_honoured_and_each_retry_printed(script, capsys):
+    s = script((429, {"Retry-After": "1.2"}, "slow down"), (503, {}, "busy"), (200, {}, "hello"))
+    r = Endpoint("m", s.url).chat([{"role": "user", "content": "hi"}])
+    assert (r.text, r.prompt_tokens, r.completion_tokens) == ("hello", 3, 2)
+    (t0, *_), (t1, *_), (t2, *_) = s.seen
+    assert t1 - t0 >= 1.2  # the server's Retry-After, not the SDK's own first backoff (<= 0.5 s)
+    assert t2 - t1 < 1.0  # no Retry-After: exponential backoff from 0.5 s
+    err = capsys.readouterr().err
+    assert f"longsft: m@{s.url}: request failed; retry 1/2 in 1.2s" in err and "retry 2/2 in" in err
+
+
+def test_a_refusal_fails_at_once_and_retries_run_out_with_the_reason(script):
+    s = script((404, {}, "model 'm' not found"))
+    with pytest.raises(EndpointError, match=r"m@\S+: HTTP 404: model 'm' not found; wrong model name, key or URL\?"):
+        Endpoint("m", s.url).chat([{"role": "user", "content": "hi"}])
+    assert len(s.seen) == 1
+    s = script(*[(503, {"Retry-After": "0"}, "busy")] * 2)
+    with pytest.raises(EndpointError, match=r"no answer after 2 requests \(HTTP 503: busy\)"):
+        Endpoint("m", s.url, retries=1).chat([{"role": "user", "content": "hi"}])
+
+
+def test_one_endpoint_keeps_one_connection(script):
+    s = script()
+    ep = Endpoint("m", s.url)
+    for _ in range(3):
+        ep.chat([{"role": "user", "content": "hi"}])
+    assert len({port for _, port, _ in s.seen}) == 1  # urllib opened a connection per request
+
+
+def test_reask_sends_the_complaint_back_as_the_next_turn(script, tmp_path):
+    s = script((200, {}, "Sure, here it is"), (200, {}, '{"score": 9}'), (200, {}, '```json\n{"score": 3}\n```'))
+
+    def valid(obj):
+        return None if obj.get("score") in range(6) else "score must be 0..5"
+
+    cache = AppendCache(tmp_path / "answers.jsonl")
+    ep = Endpoint("m", s.url)
+    assert ask_json(ep, "Rate it.", valid, retries=2, cache=cache) == {"score": 3}
+    last = s.seen[-1][2]["messages"]
+    assert [m["role"] for m in last] == ["user", "assistant", "user"]
+    assert last[1]["content"] == '{"score": 9}' and "Invalid answer: score must be 0..5" in last[2]["content"]
+    assert "no JSON object in the reply" in s.seen[1][2]["messages"][2]["content"]
+    # cached: the same question is not asked again, also by a new process reading the file
+    assert ask_json(ep, "Rate it.", valid, cache=AppendCache(tmp_path / "answers.jsonl")) == {"score": 3}
+    assert len(s.seen) == 3
+    obj, complaints = reask_json(lambda messages: "nothing", "q", valid, retries=1)
+    assert obj is None and complaints == ["no JSON object in the reply"] * 2
+    s2 = script(*[(200, {}, "no")] * 2)
+    with pytest.raises(LLMError, match="m: no valid answer after 2 tries"):
+        ask_json(Endpoint("m", s2.url), "Rate it.", valid, retries=1)
+
+
+def test_cache_survives_a_cut_off_line_and_keeps_failures_for_the_report(tmp_path):
+    path = tmp_path / "c.jsonl"
+    c = AppendCache(path)
+    c.put({"key": "a", "prediction": "", "error": "timeout"})
+    c.put({"key": "b", "prediction": "ok", "error": None})
+    c.close()
+    with path.open("a") as f:
+        f.write('{"key": "a", "predic')  # a crash in mid-line
+    c = AppendCache(path)
+    assert c.get("a") is None and c.latest("a")["error"] == "timeout" and c.get("b")["prediction"] == "ok"
+    c.put({"key": "a", "prediction": "late", "error": None})
+    c.close()
+    c = AppendCache(path)
+    assert c.get("a")["prediction"] == "late"  # the record after the cut-off line is a line of its own
+    assert len(path.read_text().splitlines()) == 4
+    assert not AppendCache(tmp_path / "none.jsonl").added and not (tmp_path / "none.jsonl").exists()
+
+
+def test_one_jsonl_reader_strict_for_data_lenient_for_logs(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n[1, 2]\n{"b": \xff}\n{"c": 3}\n{"cut')
+    with pytest.raises(DataError, match=rf"{path}:3: expected a JSON object, got list"):
+        list(iter_jsonl(path))
+    assert list(iter_jsonl(path, log=True)) == [(1, {"a": 1}), (5, {"c": 3})]
+    assert list(iter_jsonl(tmp_path / "missing.jsonl", log=True)) == []
+    with pytest.raises(DataError, match="file not found"):
+        list(iter_jsonl(tmp_path / "missing.jsonl"))
+    log = JsonlLog(path)
+    log.write({"d": 4})
+    log.close()
+    assert list(iter_jsonl(path, log=True))[-1] == (7, {"d": 4})
