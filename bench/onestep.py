@@ -27,7 +27,7 @@ def one_sequence(cfg, seq: int, d, answer: int = ANSWER) -> dict:
     from longsft.train.data.encoding import IGNORE, Encoded
     from longsft.train.data.schema import Sample
     from longsft.train.model.build import build_hf_config
-    from longsft.train.training.trainer import make_batch
+    from longsft.train.training.step import make_batch
 
     vocab = build_hf_config(cfg.model).vocab_size
     ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -40,7 +40,7 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     from longsft.train.model.loss import token_loss_sum
     from longsft.train.parallel import comm, distributed
     from longsft.train.parallel.attention import active
-    from longsft.train.training.trainer import make_batch
+    from longsft.train.training.step import make_batch
 
     sp = int(os.environ["WORLD_SIZE"])
     d = distributed.init(sp)

@@ -42,6 +42,32 @@ def test_chunked_loss_and_offload_equal_the_naive_path(tiny_model_dir, sample_di
             assert err < 1e-4, (kw, k, err)  # fp32; chunks change the summation order
 
 
+def test_token_loss_sum_equals_full_logits_cross_entropy(tiny_model_dir, sample_dir, tokenizer):
+    """The anchor of every equivalence test: a padded two-row batch (and each loss path) against a plain
+    forward, full logits and ``F.cross_entropy`` over each sample's own shifted answer labels."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from longsft.train.training.step import n_targets
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.float32)  # untied head
+    items, _ = encode_all(load_samples(sample_dir / "512" / "train.jsonl")[:2], tokenizer, 512, "end", "truncate")
+    assert len(items[0].input_ids) != len(items[1].input_ids)  # the shorter row is padded
+    want, count = torch.zeros(()), 0
+    for e in items:
+        logits = model(input_ids=torch.tensor([e.input_ids])).logits[0]
+        target = torch.tensor(e.labels[1:])
+        keep = target != -100
+        want = want + F.cross_entropy(logits[:-1][keep], target[keep], reduction="sum")
+        count += int(keep.sum())
+    batch = collate(items, tokenizer.pad_token_id)
+    batch.pop("doc_ids")
+    assert sum(n_targets([e]) for e in items) == count  # the trainer's normaliser counts the same tokens
+    for kw in ({}, {"chunk_tokens": 4}):
+        got, n = token_loss_sum(model, batch, **kw)
+        assert n == count and got.item() == pytest.approx(want.item(), rel=1e-5), kw
+
+
 def test_negative_chunk_is_refused():
     from longsft.train.common.errors import ConfigError
     from longsft.train.config import load_config, validate

@@ -1,4 +1,4 @@
-"""One optimizer step's loss and full parameter gradients, for reference comparisons.
+"""One optimizer step's loss and full parameter gradients: the real trainer against plain PyTorch.
 
     python  tests/dist/step_grads.py ref MODEL DATA OUT DP [key=value ...]   # one process, plain torch
     torchrun --nproc_per_node=N tests/dist/step_grads.py ds MODEL DATA OUT DP [key=value ...]
@@ -7,80 +7,84 @@ DP is the data-parallel degree whose global batch both modes use; ``parallel.sp_
 overrides splits each sequence over 2 ranks (so N = DP * sp); ``data.packing=true`` packs samples
 into rows in ``ds`` mode, while ``ref`` always runs each sample on its own.
 
-``ds`` runs the trainer's own pieces (DeepSpeed config, engine, StepSampler, loss scaling);
-``ref`` computes the global token-mean loss of the same global batch in one process.
+``ds`` is the trainer itself: a :class:`StageTrainer` built as the curriculum builds it (data,
+DeepSpeed engine) runs its own ``train_step(0)``; the gradients are read before the update.
+``ref`` shares only the encoded samples and the choice of the step's samples with it: a plain
+``AutoModelForCausalLM``, full logits, ``F.cross_entropy`` per sample over its answer tokens, summed
+and divided by the answer tokens it counts itself. No DeepSpeed, no longsft loss or batching code.
 """
 
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+
+def reference(cfg, model_dir: str, rows, global_idx) -> dict:
+    """The global token-mean loss of the step's samples and its gradients, in one plain process."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    total, count = torch.zeros(()), 0
+    for i in global_idx:
+        for e in rows[i]:  # one sample per forward: nothing packed, nothing padded
+            logits = model(input_ids=torch.tensor([e.input_ids]), use_cache=False).logits[0].float()  # [s, vocab]
+            target = torch.tensor(e.labels[1:])  # token t+1's label is position t's target
+            keep = target != -100
+            total = total + F.cross_entropy(logits[:-1][keep], target[keep], reduction="sum")
+            count += int(keep.sum())
+    loss = total / count
+    loss.backward()
+    return {"loss": loss.item(), "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "targets": count}
 
 
 def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
-    from longsft.train.parallel import comm
-    from longsft.train.parallel import distributed
-
     from longsft.train.config import load_config
-
-    from longsft.train.parallel.attention import active
-    from longsft.train.data.batching import StepSampler, collate, pack
+    from longsft.train.data.batching import StepSampler, pack
     from longsft.train.data.encoding import encode_all
     from longsft.train.data.schema import load_samples
-    from longsft.train.model.loss import backward_scale, token_loss_sum
-    from longsft.train.model.build import build_model, build_tokenizer
+    from longsft.train.model.build import build_tokenizer
 
-    cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", *overrides])
-    d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend) if mode == "ds" else None
+    run_dir = tempfile.mkdtemp(prefix="step_grads_")
+    cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", "data.source=files",
+                               f"data.train_file={data}", f"data.validation_file={data}", f"run_dir={run_dir}",
+                               "stages.0.validate=false", *overrides])
     stage = cfg.stages[0]
     tok = build_tokenizer(cfg.model)
-    items, _ = encode_all(load_samples(data), tok, stage.seq_len, "end", "truncate")
-    o = cfg.optim
-    rows = pack(items, stage.seq_len, cfg.data.packing)
-    sampler = StepSampler(len(rows), dp, d.dp_rank if d else 0, o.micro_batch_size, o.grad_accum, cfg.seed)
-    global_idx = sampler.global_indices(0)
-    n_global = sum(sum(1 for x in e.labels[1:] if x != -100) for i in global_idx for e in rows[i])
-
     if mode == "ref":
-        model = build_model(cfg.model)
-        total = torch.zeros(())
-        for i in global_idx:
-            for e in rows[i]:  # the reference never packs: one sample per forward
-                loss, _ = token_loss_sum(model, collate([e], tok.pad_token_id))
-                total = total + loss
-        (total / n_global).backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-        torch.save({"loss": (total / n_global).item(), "grads": grads}, out)
+        items, _ = encode_all(load_samples(data), tok, stage.seq_len, cfg.data.prompt, stage.overflow)
+        rows = pack(items, stage.seq_len, cfg.data.packing)  # the ds run's rows, each sample run on its own
+        o = cfg.optim
+        sampler = StepSampler(len(rows), dp, 0, o.micro_batch_size, o.grad_accum, cfg.seed)
+        torch.save(reference(cfg, model_dir, rows, sampler.global_indices(0)), out)
         return
 
     import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
 
-    from longsft.train.training.engine import build_ds_config, build_engine
-    from longsft.train.training.trainer import make_batch
+    from longsft.train.parallel import comm, distributed
+    from longsft.train.training.tracker import Tracker
+    from longsft.train.training.trainer import StageTrainer
 
-    ds_config = build_ds_config(cfg, stage, d.world_size, 64)
-    keep = HfDeepSpeedConfig(ds_config)  # noqa: F841
-    model = build_model(cfg.model, sp_size=cfg.parallel.sp_size, packing=cfg.data.packing)
-    engine = build_engine(cfg, model, ds_config, total_steps=10)
-    scale = backward_scale(n_global, engine.dp_world_size, o.grad_accum)
-    local = torch.zeros((), dtype=torch.float64)
-    micro = sampler.step(0)
-    grads, targets = {}, []
-    for k, idx in enumerate(micro):
-        batch, _ = make_batch([rows[i] for i in idx], tok.pad_token_id, d, cfg.data.packing)
-        with active(doc_ids=batch.pop("doc_ids", None)):
-            loss, n = token_loss_sum(engine, batch, cfg.model.loss_chunk_tokens, cfg.model.offload_activations,
-                                     cfg.model.loss_kernel)
-            targets.append(n)
-            engine.backward(loss * scale)
-        local += loss.detach().double()
-        if k == len(micro) - 1:  # gradients of the whole step are reduced: read before the update
-            grads = {n: deepspeed.utils.safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
-        engine.step()
-    total = comm.all_reduce([float(local)])[0]
-    per_rank = comm.all_gather_objects(targets)  # target tokens of each micro-step, per rank
+    d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
+    assert d.dims.dp_size == dp, f"{d.world_size} ranks at sp={cfg.parallel.sp_size} are not dp={dp}"
+    trainer = StageTrainer(cfg, 0, d, tok, Tracker(Path(run_dir), cfg.logging, enabled=False), {}, lambda: None,
+                           None)
+    trainer.setup()
+    seen = {}
+
+    def grab(engine, targets):  # the step's reduced gradients, before DeepSpeed's update consumes them
+        seen["grads"] = {n: deepspeed.utils.safe_get_full_grad(p).detach().clone()
+                         for n, p in engine.module.named_parameters()}
+        seen["targets"] = list(targets)
+
+    rec = trainer.train_step(0, before_update=grab)
+    per_rank = comm.all_gather_objects(seen["targets"])  # target tokens of each micro-step, per rank
     if d.is_main:
-        torch.save({"loss": total / n_global, "grads": grads, "targets_per_rank": per_rank}, out)
+        torch.save({"loss": rec["loss"], "grads": seen["grads"], "targets_per_rank": per_rank}, out)
     distributed.shutdown()
 
 

@@ -12,18 +12,15 @@ import torch
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import write_jsonl
 from longsft.train.config import RunConfig, StageConfig
-from longsft.train.data.batching import Row, StepSampler, collate, pack
+from longsft.train.data.batching import StepSampler, pack
 from longsft.train.data.encoding import encode_all
 from longsft.train.data.schema import load_samples
 from longsft.train.model.build import build_hf_config, build_model
-from longsft.train.model.loss import backward_scale, token_loss_sum
-from longsft.train.parallel import comm
-from longsft.train.parallel.attention import active
 from longsft.train.parallel.distributed import Dist
-from longsft.train.parallel.layout import layout, shard_batch
 from longsft.train.training import checkpoint
 from longsft.train.training.engine import build_ds_config, build_engine
 from longsft.train.training.preempt import StopRequested, StopWatch
+from longsft.train.training.step import train_step
 from longsft.train.training.tracker import Tracker, peak_memory_gb
 from longsft.train.training.validation import is_better, run_validation
 
@@ -34,19 +31,6 @@ class TrainingError(RuntimeError):
 
 class SaveError(TrainingError):
     """A checkpoint could not be written (disk full, quota...); raised by the rank that failed."""
-
-
-def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
-    """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
-
-    ``doc_ids`` stays in the batch only for packed rows (for :func:`active`).
-    """
-    batch = collate(rows, pad_id)
-    tokens = int(batch["attention_mask"].sum())
-    if not packing:
-        batch.pop("doc_ids")
-    batch = shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id, layout(packing))
-    return {k: v.to(d.device) for k, v in batch.items()}, tokens
 
 
 def stage_files(cfg: RunConfig, stage: StageConfig) -> tuple[Path, Path]:
@@ -73,6 +57,11 @@ class StageTrainer:
         self.pad_id = tokenizer.pad_token_id
 
     # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        """Read and encode the stage's data, build the model and the DeepSpeed engine."""
+        self._data()
+        self._engine()
 
     def _data(self) -> None:
         st, cfg = self.stage, self.cfg
@@ -121,8 +110,7 @@ class StageTrainer:
     def run(self) -> dict:
         for note in checkpoint.recover(self.dir, self.d):
             self.tracker.write(f"stage {self.stage.name}: {note}")
-        self._data()
-        self._engine()
+        self.setup()
         step = 0
         tag = checkpoint.latest_resume(self.dir)
         if tag is not None:
@@ -135,7 +123,7 @@ class StageTrainer:
         self.tracker.start_stage(self.stage.name, self.total_steps, step)
         start, start_step = time.time(), step
         while step < self.total_steps:
-            rec = self._train_step(step)
+            rec = self.train_step(step)
             step += 1
             if not math.isfinite(rec["loss"]):  # the loss is all-reduced: every rank stops here together
                 self.state["status"] = "failed"
@@ -194,34 +182,17 @@ class StageTrainer:
         raise StopRequested(f"stage {self.stage.name}: stopped on request at step {step}/{self.total_steps}; "
                             f"checkpoint saved in {self.state['last_checkpoint']}. Run the same command to resume")
 
-    def _train_step(self, step: int) -> dict:
+    def train_step(self, step: int, before_update=None) -> dict:
+        """Global ``step`` (:func:`~longsft.train.training.step.train_step`) and its metrics record."""
         t0 = time.time()
-        micro = self.sampler.step(step)
-        global_idx = self.sampler.global_indices(step)
-        n_global = sum(self._n_targets(i) for i in global_idx)
-        scale = backward_scale(n_global, self.engine.dp_world_size, self.cfg.optim.grad_accum)
-        loss_sum, tokens = 0.0, 0
-        for idx in micro:
-            batch, n_tokens = make_batch([self.train[i] for i in idx], self.pad_id, self.d, self.cfg.data.packing)
-            with active(doc_ids=batch.pop("doc_ids", None)):
-                loss, _ = token_loss_sum(self.engine, batch, self.cfg.model.loss_chunk_tokens,
-                                         self.cfg.model.offload_activations, self.cfg.model.loss_kernel)
-                self.engine.backward(loss * scale)
-            self.engine.step()
-            loss_sum += float(loss.detach())
-            tokens += n_tokens
-        # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
-        loss_total, tokens_total = comm.all_reduce([loss_sum, tokens if self.d.sp_rank == 0 else 0])
+        st = train_step(self.engine, self.train, self.sampler, step, self.d, self.pad_id, self.cfg.model,
+                        self.cfg.data.packing, before_update)
         dt = time.time() - t0
         grad_norm = self.engine.get_global_grad_norm()
-        return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": loss_total / n_global,
+        return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": st.loss,
                 "lr": self.engine.get_lr()[0], "grad_norm": None if grad_norm is None else float(grad_norm),
-                "tokens": int(tokens_total), "tokens_per_s": tokens_total / dt, "step_time_s": dt,
+                "tokens": st.tokens, "tokens_per_s": st.tokens / dt, "step_time_s": dt,
                 "memory_gb": peak_memory_gb()}
-
-    def _n_targets(self, i: int) -> int:
-        # collate shifts labels by one per document: a document's first label never counts
-        return sum(1 for e in self.train[i] for x in e.labels[1:] if x != -100)
 
     def _validate(self, step: int) -> None:
         v = self.cfg.validation

@@ -1,0 +1,76 @@
+"""One optimizer step: the trainer runs it, and the "equals one process" tests run the trainer.
+
+The loss of a step is the token mean over its whole global batch (every data-parallel rank, every
+micro-step): this rank's micro-steps each back-propagate ``local sum * backward_scale``, where the
+scale divides by the global target count ``N`` (see :mod:`longsft.train.model.loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from longsft.train.config import ModelConfig
+from longsft.train.data.batching import Row, StepSampler, collate
+from longsft.train.data.encoding import IGNORE
+from longsft.train.model.loss import backward_scale, token_loss_sum
+from longsft.train.parallel import comm
+from longsft.train.parallel.attention import active
+from longsft.train.parallel.distributed import Dist
+from longsft.train.parallel.layout import layout, shard_batch
+
+
+def n_targets(row: Row) -> int:
+    """Loss tokens of one row: collate shifts labels per document, so a document's first label never counts."""
+    return sum(1 for e in row for x in e.labels[1:] if x != IGNORE)
+
+
+def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+    """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
+
+    ``doc_ids`` stays in the batch only for packed rows (for :func:`active`).
+    """
+    batch = collate(rows, pad_id)
+    tokens = int(batch["attention_mask"].sum())
+    if not packing:
+        batch.pop("doc_ids")
+    batch = shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id, layout(packing))
+    return {k: v.to(d.device) for k, v in batch.items()}, tokens
+
+
+@dataclass
+class StepStats:
+    loss: float  # token mean over the global batch
+    tokens: int  # real (unpadded) tokens of the global batch
+    targets: list[int]  # this rank's loss tokens per micro-step
+
+
+def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist, pad_id: int,
+               model_cfg: ModelConfig, packing: bool,
+               before_update: Callable[[object, list[int]], None] | None = None) -> StepStats:
+    """Forward and backward of every micro-step of global ``step``, then DeepSpeed's update.
+
+    ``before_update(engine, targets)`` runs after the last backward, while the step's reduced
+    gradients are still there (the tests read them).
+    """
+    micro = sampler.step(step)
+    n_global = sum(n_targets(rows[i]) for i in sampler.global_indices(step))
+    scale = backward_scale(n_global, engine.dp_world_size, len(micro))
+    loss_sum, tokens, targets = 0.0, 0, []
+    for k, idx in enumerate(micro):
+        batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing)
+        with active(doc_ids=batch.pop("doc_ids", None)):
+            loss, n = token_loss_sum(engine, batch, model_cfg.loss_chunk_tokens, model_cfg.offload_activations,
+                                     model_cfg.loss_kernel)
+            engine.backward(loss * scale)
+        loss_sum += float(loss.detach())
+        tokens += n_tokens
+        targets.append(n)
+        if k == len(micro) - 1 and before_update is not None:
+            before_update(engine, targets)
+        engine.step()
+    # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
+    loss_total, tokens_total = comm.all_reduce([loss_sum, tokens if d.sp_rank == 0 else 0])
+    return StepStats(loss_total / max(1, n_global), int(tokens_total), targets)
