@@ -117,6 +117,47 @@ def test_failed_generations_are_recorded_scored_invalid_and_retried(data, tmp_pa
     assert len((out / "generations.jsonl").read_text().splitlines()) == 6  # the rerun tried them again
 
 
+def _eval_run(root, name, correct, gold):
+    """An eval run folder whose predictions are right exactly where ``correct`` says (scores 1 or 4)."""
+    run = root / name
+    run.mkdir()
+    (run / "eval.json").write_text(json.dumps({"name": name, "invalid_policy": "wrong"}))
+    recs = [{"id": f"s{i}", "gold_score": g, "bucket": "16k" if i % 2 else "32k",
+             "prediction": json.dumps({"score": g if ok else 5 - g})}  # gold 1 or 4: 5 - g is the other label
+            for i, (g, ok) in enumerate(zip(gold, correct))]
+    (run / "predictions_r0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run
+
+
+def test_report_compare_of_two_different_runs_has_the_sign_and_size_of_b_minus_a(tmp_path):
+    import numpy as np
+    from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
+
+    rng = np.random.default_rng(0)
+    gold = [int(g) for g in rng.choice([1, 4], 240)]
+    a = _eval_run(tmp_path, "weak", rng.random(240) < 0.6, gold)
+    b = _eval_run(tmp_path, "strong", rng.random(240) < 0.9, gold)
+    t = [int(g <= 2) for g in gold]
+
+    def metrics(run):
+        _, p = labels(load_predictions(run / "predictions_r0.jsonl"))
+        return balanced_accuracy_score(t, p), matthews_corrcoef(t, p)
+
+    (ba_a, mcc_a), (ba_b, mcc_b) = metrics(a), metrics(b)
+    assert ba_b - ba_a > 0.2
+    for first, second, sign in ((a, b, 1), (b, a, -1)):
+        out = cli("report", "--compare", str(first), str(second)).stdout
+        assert f"{second.name} − {first.name} (240 shared items" in out
+        row = next(x for x in out.splitlines() if x.startswith("| all |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2].startswith(f"{sign * (ba_b - ba_a):+.3f} [")
+        assert cells[4].startswith(f"{sign * (mcc_b - mcc_a):+.3f} [")
+        low, high = (float(x) for x in cells[2].split("[")[1].rstrip("]").split(","))
+        assert (low > 0 and high > low) if sign > 0 else (high < 0 and low < high)  # the interval is on its side
+        assert float(cells[3]) < 0.01  # p-value
+        assert {x.split("|")[1].strip() for x in out.splitlines() if x.startswith("| ")} >= {"16k", "32k", "all"}
+
+
 def test_report_table4_types_heatmap_and_paired_comparison(hf_run, tmp_path):
     r = cli("report", str(hf_run), "--out", str(tmp_path), "--compare", str(hf_run), str(hf_run))
     assert "| run | 512 | all |" in r.stdout and "## Hallucination types" in r.stdout
