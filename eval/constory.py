@@ -51,7 +51,7 @@ from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
 from longsft.train.common.llm import answer_key, reask_json
-from longsft.train.config import from_args
+from longsft.train.config import config_help, from_args
 
 # Five categories, 19 subtypes (our reading of the paper's taxonomy).
 TAXONOMY = {
@@ -434,9 +434,7 @@ def _check_stories_out(out: Path, model: str) -> None:
                           f"model={model!r}: give each model its own out=, or delete {path}")
 
 
-def _help() -> str:
-    from longsft.train.config import config_help
-
+def constory_help() -> str:
     return config_help(ConStoryConfig, __doc__.split("\n\n", 2)[1])
 
 
@@ -453,11 +451,7 @@ def _unjudged(reports: list[dict]) -> int:
 
 def main(argv: list[str]) -> int:
     from longsft.eval.harness import OutputDir, _Lazy, check_model
-    from longsft.train.config import wants_help
 
-    if wants_help(argv):
-        print(_help())
-        return 0
     if not argv or argv[0] not in ("generate", "check", "metrics"):
         raise ConfigError("usage: longsft constory generate|check|metrics key=value ... (--help: every key)")
     cmd, cfg = argv[0], from_args(ConStoryConfig, argv[1:], "stories=S.jsonl judge=MODEL")

@@ -59,7 +59,7 @@ class EvalConfig:
     base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
     api_key_env: str = "OPENAI_API_KEY"
     requests_per_minute: float = 0.0
-    retries: int = 4  # openai: attempts after the first, with exponential backoff
+    retries: int = 4  # openai: requests after the first (exponential backoff; a Retry-After is honoured)
     limit: int = 0  # evaluate the first N items only (0: all)
     name: str = ""  # default: <model folder>-<method>-<prompt> (a checkpoint: <run>-<stage>-best-...)
     out: str = "runs/eval/{name}"

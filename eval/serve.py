@@ -46,7 +46,7 @@ from socketserver import TCPServer
 from typing import Any, Literal
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import from_args
+from longsft.train.config import config_help, from_args
 
 API_KEY_ENV = "LONGSFT_API_KEY"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -561,6 +561,10 @@ def build(cfg: ServeConfig, backend=None) -> Server:
         server.server_close()
         raise
     return server
+
+
+def serve_help() -> str:
+    return config_help(ServeConfig, __doc__.split("\n\n", 2)[1])
 
 
 def serve(argv: list[str]) -> int:

@@ -291,17 +291,3 @@ def test_unjudged_stories_leave_the_metrics_of_judged_ones_alone():
                  r("p3", "B", 0, judge_failures=["no JSON object in the reply"])])  # an older report
     assert m["ced"] == {"A": 1.0, "B": 1.0} and m["stories"] == {"A": 2, "B": 1}
     assert m["unjudged"] == {"B": 2} and m["grr"] == {"A": 1.0, "B": 2.0}  # p1 ranks A alone
-
-
-@pytest.mark.parametrize("argv, shown", [(["eval", "--help"], "max_new_tokens=512"),
-                                         (["constory", "generate", "--help"], "target_words=8000"),
-                                         (["constory", "--help"], "max_story_chars=60000")])
-def test_help_lists_every_key_with_its_default(capsys, argv, shown):
-    from longsft.train.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as e:  # eval answers --help the way argparse does
-        code = e.code
-    out, err = capsys.readouterr()
-    assert code == 0 and shown in out and "keys (key=default):" in out and not err

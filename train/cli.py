@@ -23,6 +23,12 @@
     longsft data mma SAMPLES.jsonl --out F --generator M@URL ... --judge M@URL --judge M@URL --arbiter M@URL
     longsft data ablation SAMPLES.jsonl ... --out DIR [--sizes 1000,2000,all]
 
+Arguments, one rule: what a command runs is configured by key=value settings of a typed config, the
+same keys a recipe or a sweep line holds (train, config, plan, submit, sweep lines, eval, serve,
+constory); options of the command itself that no config stores are --flags (the hardware of plan and
+submit, sweep selection, the files score, report, status and data read and write).
+`longsft COMMAND --help` lists every key or flag with its default.
+
 Exit status: 0 done, 1 unfinished (status) or does not fit (plan), 2 bad input, 3 training failed (e.g. NaN loss) or ConStory stories left unjudged,
 75 stopped on request (STOP file, SIGUSR1, SIGTERM, Ctrl-C) with a checkpoint: rerun the same command to resume
 (0 under torchrun, which would report 75 as a failure; `longsft status` tells).
@@ -38,41 +44,49 @@ from pathlib import Path
 
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import check_output_file
-from longsft.train.config import dump_yaml, parse_run_args
+from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_epilog, wants_help
+
+
+class HELP(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help with every option's default, and the run keys' table (epilog) as written."""
 
 
 def _data(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft data")
+    ap = argparse.ArgumentParser(prog="longsft data", formatter_class=HELP)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("sample", help="write the deterministic offline sample set")
-    s.add_argument("--out", required=True)
-    s.add_argument("--buckets", default="512,1k,2k,4k")
+    s = sub.add_parser("sample", formatter_class=HELP, help="write the deterministic offline sample set")
+    s.add_argument("--out", required=True, help="output folder (BUCKET/train.jsonl, BUCKET/validation.jsonl)")
+    s.add_argument("--buckets", default="512,1k,2k,4k", help="length buckets to write")
     s.add_argument("--n", type=int, default=16, help="train samples per language and bucket")
-    s.add_argument("--n-validation", type=int, default=4)
-    s.add_argument("--seed", type=int, default=42)
-    e = sub.add_parser("extend", help="textual units of books -> samples in token-length buckets")
+    s.add_argument("--n-validation", type=int, default=4, help="validation samples per language and bucket")
+    s.add_argument("--seed", type=int, default=42, help="random seed")
+    e = sub.add_parser("extend", formatter_class=HELP,
+                       help="textual units of books -> samples in token-length buckets")
     e.add_argument("units", help="JSONL: book, unit, language, text, summary (a book's units contiguous, in order)")
-    e.add_argument("--out", required=True)
+    e.add_argument("--out", required=True, help="output folder (one JSONL per bucket, stats)")
     e.add_argument("--buckets", default="16k,32k,64k,100k", help="names (default bounds) or name=lower:upper")
     e.add_argument("--tokenizer", default="qwen", help="qwen (the Qwen3 vocabulary, offline) or an HF path")
     e.add_argument("--resume", action="store_true", help="continue an interrupted build in --out")
-    a = sub.add_parser("ablation", help="Table 5 training sets (mma_only, mma_erhg) x sizes + held-out sets")
+    a = sub.add_parser("ablation", formatter_class=HELP,
+                       help="Table 5 training sets (mma_only, mma_erhg) x sizes + held-out sets")
     a.add_argument("inputs", nargs="+", help="JSONL samples with bucket and source (human/mma/erhg)")
-    a.add_argument("--out", required=True)
+    a.add_argument("--out", required=True, help="output folder (training and held-out sets, table5.sweep)")
     a.add_argument("--sizes", default="all", help="training-set sizes, e.g. 1000,2000,all")
     a.add_argument("--val-articles", type=int, default=20, help="held-out validation articles per bucket")
     a.add_argument("--test-articles", type=int, default=50, help="held-out test articles per bucket")
-    a.add_argument("--seed", type=int, default=42)
-    h = sub.add_parser("erhg", help="hallucinated summaries by entity-referenced edits (offline rules or an LLM)")
+    a.add_argument("--seed", type=int, default=42, help="random seed of the splits and subsets")
+    h = sub.add_parser("erhg", formatter_class=HELP,
+                       help="hallucinated summaries by entity-referenced edits (offline rules or an LLM)")
     h.add_argument("input", help="JSONL of faithful samples (e.g. data extend output)")
     h.add_argument("--out", required=True, help="output JSONL (problems and stats written next to it)")
-    h.add_argument("--engine", choices=["rules", "llm"], default="rules")
+    h.add_argument("--engine", choices=["rules", "llm"], default="rules", help="offline rules or an LLM endpoint")
     h.add_argument("--endpoint", help="llm engine: MODEL@http://host:port/v1 (OpenAI-compatible)")
     h.add_argument("--multi", type=float, default=0.3, help="share of samples with three edits (gold 1), else one (gold 2)")
-    h.add_argument("--seed", type=int, default=42)
-    m = sub.add_parser("mma", help="summaries by generator models, scored by two judges and an arbiter")
+    h.add_argument("--seed", type=int, default=42, help="random seed of the edits")
+    m = sub.add_parser("mma", formatter_class=HELP,
+                       help="summaries by generator models, scored by two judges and an arbiter")
     m.add_argument("input", help="JSONL samples whose articles to summarise")
-    m.add_argument("--out", required=True)
+    m.add_argument("--out", required=True, help="output JSONL (answers cached in OUT.cache.jsonl)")
     m.add_argument("--generator", action="append", required=True, help="MODEL@URL (repeat)")
     m.add_argument("--judge", action="append", required=True, help="MODEL@URL (exactly twice)")
     m.add_argument("--arbiter", required=True, help="MODEL@URL")
@@ -186,9 +200,10 @@ def _config(argv: list[str]) -> int:
 def _plan(argv: list[str]) -> int:
     from longsft.train import plan
 
-    ap = argparse.ArgumentParser(prog="longsft plan", description="predicted per-GPU peak memory of every stage")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--nodes", type=int, default=1)
+    ap = argparse.ArgumentParser(prog="longsft plan", formatter_class=HELP, epilog=run_keys_epilog(),
+                                 description="predicted per-GPU peak memory of every stage")
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    ap.add_argument("--nodes", type=int, default=1, help="nodes")
     ap.add_argument("--gpu-gib", type=float, default=79.0,
                     help="memory of one GPU as PyTorch reports it (80 GB H100/A100: 79; H200: 139.8)")
     ap.add_argument("--host-gib", type=float, default=None, help="host memory per node, to check offloading")
@@ -229,6 +244,12 @@ def _plan(argv: list[str]) -> int:
 def _status(argv: list[str]) -> int:
     from longsft.train.training.report import read_state, status_table
 
+    ap = argparse.ArgumentParser(prog="longsft status", formatter_class=HELP,
+                                 description="stage table of a run; exit 0 when every stage is done, else 1")
+    ap.add_argument("run_dir", help="the run directory (holds state.json)")
+    if wants_help(argv):
+        ap.print_help()
+        return 0
     if len(argv) != 1:
         raise ConfigError("usage: longsft status RUN_DIR")
     state = read_state(argv[0])
@@ -237,7 +258,8 @@ def _status(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft report", description="tables from training or evaluation runs")
+    ap = argparse.ArgumentParser(prog="longsft report", formatter_class=HELP,
+                                 description="tables from training or evaluation runs")
     ap.add_argument("dirs", nargs="*", help="run directories, or folders of them (a sweep root, runs/eval)")
     ap.add_argument("--out", help="where to write the report files (default: the only DIR given)")
     ap.add_argument("--bootstrap", type=int, default=2000, help="replicates for 95%% CIs (0: none)")
@@ -267,8 +289,9 @@ def _report(argv: list[str]) -> int:
 
 
 def _sweep(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft sweep", description="check a sweep file, or print one task's args")
-    ap.add_argument("file")
+    ap = argparse.ArgumentParser(prog="longsft sweep", formatter_class=HELP,
+                                 description="check a sweep file, or print one task's args")
+    ap.add_argument("file", help="sweep file: one task per line, NAME key=value ...")
     ap.add_argument("--root", help="task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")
     ap.add_argument("--task", type=int, help="print this task's arguments (the array index) instead")
     ap.add_argument("--print0", action="store_true", help="NUL-separated (for the array script)")
@@ -292,17 +315,18 @@ def _sweep(argv: list[str]) -> int:
 def _submit(argv: list[str]) -> int:
     from longsft.train.cluster.slurm import Resources, submit
 
-    ap = argparse.ArgumentParser(prog="longsft submit", description="check, snapshot and sbatch a run or sweep")
+    ap = argparse.ArgumentParser(prog="longsft submit", formatter_class=HELP, epilog=run_keys_epilog(),
+                                 description="check, snapshot and sbatch a run or sweep")
     ap.add_argument("--sweep", help="sweep file: submit an array job, one task per line")
     ap.add_argument("--root", help="sweep: task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")
-    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--nodes", type=int, default=1, help="nodes per run")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="0 for CPU-only nodes")
     ap.add_argument("--nproc-per-node", type=int, help="processes per node (default: GPUs per node)")
-    ap.add_argument("--cpus-per-task", type=int)
-    ap.add_argument("--time")
-    ap.add_argument("--partition")
-    ap.add_argument("--account")
-    ap.add_argument("--job-name")
+    ap.add_argument("--cpus-per-task", type=int, help="sbatch --cpus-per-task (default: SLURM's)")
+    ap.add_argument("--time", help="sbatch --time, e.g. 2-00:00:00")
+    ap.add_argument("--partition", help="sbatch --partition")
+    ap.add_argument("--account", help="sbatch --account")
+    ap.add_argument("--job-name", help="sbatch --job-name (default: longsft-<recipe>)")
     ap.add_argument("--max-parallel", type=int, help="sweep: at most this many tasks at once")
     ap.add_argument("--command", choices=["train", "eval"], default="train",
                     help="sweep: lines are training runs or `longsft eval` runs")
@@ -332,12 +356,38 @@ def _os_message(e: BaseException) -> str | None:
     return None
 
 
+def _eval_help() -> str:
+    from longsft.eval.harness import eval_help
+
+    return eval_help()
+
+
+def _serve_help() -> str:
+    from longsft.eval.serve import serve_help
+
+    return serve_help()
+
+
+def _constory_help() -> str:
+    from longsft.eval.constory import constory_help
+
+    return constory_help()
+
+
+# Commands whose arguments are key=value settings of a typed config: --help lists every key and default.
+KEY_VALUE_HELP = {"train": lambda: run_help("train"), "config": lambda: run_help("config", " [--get KEY]"),
+                  "eval": _eval_help, "serve": _serve_help, "constory": _constory_help}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
     cmd, rest = argv[0], argv[1:]
+    if cmd in KEY_VALUE_HELP and wants_help(rest):
+        print(KEY_VALUE_HELP[cmd]())
+        return 0
     try:
         if cmd == "train":
             cfg = parse_run_args(rest)
@@ -348,12 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             run(cfg)
             return 0
         if cmd == "eval":
-            from longsft.eval.harness import eval_help, parse_eval_args, run_eval
-            from longsft.train.config import wants_help
-
-            if wants_help(rest):
-                print(eval_help())
-                return 0
+            from longsft.eval.harness import parse_eval_args, run_eval
 
             summary = run_eval(parse_eval_args(rest))
             m = summary["mean"]

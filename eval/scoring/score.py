@@ -65,12 +65,14 @@ def format_table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="longsft score", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="longsft score", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("predictions", help="JSONL with id, prediction, gold_score")
     ap.add_argument("--out", help="JSON output (default: <predictions>.scores.json)")
-    ap.add_argument("--invalid-policy", default="wrong", choices=["wrong", "hallucinated", "faithful"])
+    ap.add_argument("--invalid-policy", default="wrong", choices=["wrong", "hallucinated", "faithful"],
+                    help="what an unparseable answer counts as")
     ap.add_argument("--bootstrap", type=int, default=2000, help="replicates for 95%% CIs (0: none)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     args = ap.parse_args(argv)
     if args.bootstrap < 0:
         raise ConfigError(f"--bootstrap {args.bootstrap}: replicates must be >= 0 (0: no intervals)")
