@@ -11,6 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from longsft.train.common.errors import ConfigError
 from longsft.train.common.llm import Endpoint, EndpointError
 
 
@@ -40,8 +41,7 @@ class HFBackend:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from longsft.train.common.errors import ConfigError
-        from longsft.train.model.build import build_hf_config, build_tokenizer
+        from longsft.train.model.build import build_hf_config, build_tokenizer  # torch: only for this backend
 
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         try:
@@ -147,8 +147,6 @@ class VLLMBackend:
         try:
             from vllm import LLM, SamplingParams
         except ImportError:
-            from longsft.train.common.errors import ConfigError
-
             raise ConfigError("backend=vllm needs vLLM on a GPU machine: pip install 'longsft[vllm]'") from None
         self.llm = LLM(**vllm_engine_args(model_cfg, max_model_len, tensor_parallel))
         self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from longsft.eval.harness import EvalConfig, OutputDir, _Lazy, check_model, make_backend
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
@@ -375,8 +376,6 @@ class ConStoryConfig:
 
 
 def _backend(cfg: ConStoryConfig, model: str):
-    from longsft.eval.harness import EvalConfig, make_backend
-
     return make_backend(EvalConfig(model=model, data="-", backend=cfg.backend, base_url=cfg.base_url,
                                    tokenizer=cfg.tokenizer, recipe=cfg.recipe, max_new_tokens=cfg.max_new_tokens))
 
@@ -450,8 +449,6 @@ def _unjudged(reports: list[dict]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from longsft.eval.harness import OutputDir, _Lazy, check_model
-
     if not argv or argv[0] not in ("generate", "check", "metrics"):
         raise ConfigError("usage: longsft constory generate|check|metrics key=value ... (--help: every key)")
     cmd, cfg = argv[0], from_args(ConStoryConfig, argv[1:], "stories=S.jsonl judge=MODEL")

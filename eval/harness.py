@@ -28,16 +28,21 @@ import json
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from longsft.eval.backends import HFBackend, OpenAIBackend, VLLMBackend
+from longsft.eval.rag import combine, make_embedder, plan
+from longsft.eval.scoring.judgement import parse_judgement
 from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, check_input_file, read_json, safe_name, write_jsonl
 from longsft.train.common.llm import answer_key
-from longsft.train.config import config_help, from_args, to_dict
+from longsft.train.config import ModelConfig, config_help, from_args, load_config, to_dict
+from longsft.train.data.prompts import render_prompt
+from longsft.train.data.schema import load_samples
 
 
 @dataclass
@@ -188,17 +193,11 @@ def check_out_dir(cfg: EvalConfig) -> None:
 
 def model_config(cfg: EvalConfig):
     """The model section: the recipe's (tokenizer, rope scaling) with ``model`` as the weights."""
-    from dataclasses import replace
-
-    from longsft.train.config import ModelConfig, load_config
-
     base = load_config(cfg.recipe).model if cfg.recipe else ModelConfig()
     return replace(base, path=cfg.model, config=None, tokenizer=cfg.tokenizer or base.tokenizer or cfg.model)
 
 
 def make_backend(cfg: EvalConfig):
-    from longsft.eval.backends import HFBackend, OpenAIBackend, VLLMBackend
-
     if cfg.backend == "openai":
         return OpenAIBackend(cfg.model, cfg.base_url, cfg.max_new_tokens, cfg.api_key_env, cfg.requests_per_minute,
                              cfg.retries)
@@ -237,8 +236,6 @@ def _generate(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, sid: str, pro
 
 
 def run_eval(cfg: EvalConfig) -> dict:
-    from longsft.train.data.schema import load_samples
-
     samples = load_samples(cfg.data)
     if cfg.limit:
         samples = samples[: cfg.limit]
@@ -273,8 +270,6 @@ class OutputDir:
 def _run(cfg: EvalConfig, samples: list, cache: AppendCache) -> dict:
     from tqdm import tqdm
 
-    from longsft.train.data.prompts import render_prompt
-
     backend = _Lazy(lambda: make_backend(cfg))
     rag = RagMethod(cfg) if cfg.method == "rag" else None
     bar = tqdm(total=cfg.repeats * len(samples), desc=f"eval {cfg.run_name}", unit="item", disable=not cfg.progress,
@@ -305,7 +300,6 @@ class RagMethod:
     """Per item: segment prompts on their windows, escalations on the full document (see eval/rag.py)."""
 
     def __init__(self, cfg: EvalConfig, embedder=None, tokenizer=None):
-        from longsft.eval.rag import make_embedder
         from longsft.train.model.build import qwen_tokenizer
 
         self.cfg = cfg
@@ -315,12 +309,6 @@ class RagMethod:
         self._counted: set = set()
 
     def predict(self, s, generate) -> tuple[str, list[dict]]:
-        from dataclasses import replace
-
-        from longsft.eval.rag import combine, plan
-        from longsft.eval.scoring.judgement import parse_judgement
-        from longsft.train.data.prompts import render_prompt
-
         p = plan(s.article, s.summary, self.embedder)
         recs, finals, prompts = [], [], []
         for seg, text in zip(p.segments, p.window_texts):

@@ -45,6 +45,8 @@ from pathlib import Path
 from socketserver import TCPServer
 from typing import Any, Literal
 
+from longsft.eval.backends import HFBackend
+from longsft.eval.harness import EvalConfig, model_config
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import config_help, from_args
 
@@ -551,9 +553,6 @@ def build(cfg: ServeConfig, backend=None) -> Server:
             print(f"longsft serve: warning: {server.server_address[0]} is reachable from other machines; {risk}",
                   file=sys.stderr, flush=True)
         if backend is None:
-            from longsft.eval.backends import HFBackend
-            from longsft.eval.harness import EvalConfig, model_config
-
             backend = HFBackend(model_config(EvalConfig(model=cfg.model, tokenizer=cfg.tokenizer, recipe=cfg.recipe)),
                                 cfg.max_new_tokens, enable_thinking=cfg.enable_thinking, dtype=cfg.dtype)
         server.start(App(cfg, backend))

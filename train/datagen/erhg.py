@@ -31,6 +31,7 @@ from pathlib import Path
 from longsft.eval.scoring.judgement import TYPES
 from longsft.train.common.errors import DataError
 from longsft.train.common.io import atomic_write_text, check_input_file, check_output_file
+from longsft.train.common.llm import LLMError, ask_json
 from longsft.train.data.schema import read_records
 
 SENT = {"en": re.compile(r"(?<=[.!?])\s+"), "zh": re.compile(r"(?<=[。！？])")}
@@ -272,8 +273,6 @@ class LLMEngine:
 
     def edit(self, kind: str, sent: str, lang: str, ents: Entities, book: str | None = None,
              index: int = 0) -> str | None:
-        from longsft.train.common.llm import LLMError, ask_json
-
         def check(obj: dict) -> str | None:
             new = obj.get("perturbed")
             if not isinstance(new, str) or not new.strip():

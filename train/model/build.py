@@ -11,7 +11,9 @@ import torch
 from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import ModelConfig
+from longsft.train.model.loss import attach_fused_loss
 from longsft.train.parallel import comm
+from longsft.train.parallel.attention import ATTN_NAME
 
 # Compact ChatML (what Qwen3 uses) for tokenizers that ship without a chat template.
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -112,8 +114,6 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     source = init_from or cfg.path
     attn = cfg.attn_implementation
     if sp_size > 1 or packing:
-        from longsft.train.parallel.attention import ATTN_NAME
-
         attn = ATTN_NAME
     kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=attn,
                                   trust_remote_code=cfg.trust_remote_code)
@@ -131,8 +131,6 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     if cfg.mlp_tile_tokens:
         tile_mlps(model, cfg.mlp_tile_tokens)
     if cfg.loss_kernel == "liger":
-        from longsft.train.model.loss import attach_fused_loss
-
         attach_fused_loss(model)
     model.config.use_cache = False
     return model
