@@ -110,11 +110,22 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
-def compare_steps(ref_path, got_path, rel_loss=1e-6, rel_grad=1e-5):
-    """Assert two step_grads.py outputs agree: loss and every parameter gradient."""
+def reference_step(model_dir, data, dp: int, overrides: list[str]) -> dict:
+    """tests/dist/step_grads.py's plain-PyTorch reference, in this process (no launcher, no DeepSpeed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_grads", ROOT / "tests" / "dist" / "step_grads.py")
+    step_grads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(step_grads)
+    return step_grads.reference_step(str(model_dir), str(data), dp, list(overrides))
+
+
+def compare_steps(ref, got_path, rel_loss=1e-6, rel_grad=1e-5):
+    """Assert a reference step (reference_step's dict) and a step_grads.py output agree: loss and every
+    parameter gradient."""
     import torch
 
-    a, b = torch.load(ref_path), torch.load(got_path)
+    a, b = ref, torch.load(got_path)
     assert b["loss"] == pytest.approx(a["loss"], rel=rel_loss)
     assert set(a["grads"]) == set(b["grads"])
     worst = 0.0

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import ROOT, TEST_OVERRIDES, compare_steps, torchrun
+from conftest import ROOT, TEST_OVERRIDES, compare_steps, reference_step, torchrun
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import load_config, validate
@@ -97,8 +97,8 @@ def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir,
     model = str(tiny_model_dir(arch))
     data = str(sample_dir / "1k" / "train.jsonl")  # odd lengths: padding to 2*sp is exercised
     common = ["optim.grad_accum=2", "deepspeed.config=zero3_offload", "stages.0.seq_len=1024"]
-    ref, got = tmp_path / "ref.pt", tmp_path / "sp.pt"
-    torchrun([STEP, "ref", model, data, str(ref), "1", *common], nproc=1)
+    got = tmp_path / "sp.pt"
+    ref = reference_step(model, data, 1, common)
     torchrun([STEP, "ds", model, data, str(got), "1", *common, "parallel.sp_size=2",
               f"parallel.sp_backend={backend}", *extra], nproc=2)
     compare_steps(ref, got)
@@ -117,8 +117,8 @@ def test_liger_under_zero3_equals_one_process(tmp_path, tiny_model_dir, sample_d
     common = ["optim.grad_accum=2", f"deepspeed.config={ds}", "stages.0.seq_len=1024", "model.loss_kernel=liger"]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests" / "liger_cpu"), os.environ.get("PYTHONPATH"))
                                          if p)}
-    ref, got = tmp_path / "ref.pt", tmp_path / "liger.pt"
-    torchrun([STEP, "ref", model, data, str(ref), str(dp), *common], nproc=1, env=env)
+    got = tmp_path / "liger.pt"
+    ref = reference_step(model, data, dp, common)
     torchrun([STEP, "ds", model, data, str(got), str(dp), *common, f"parallel.sp_size={sp}"], nproc=2, env=env)
     if sp == 2:
         per_rank = torch.load(got)["targets_per_rank"]
@@ -134,8 +134,8 @@ def test_packed_rows_equal_one_sample_at_a_time(tmp_path, tiny_model_dir, sample
     model = str(tiny_model_dir("qwen3"))
     data = str(sample_dir / "512" / "train.jsonl")
     common = ["optim.grad_accum=2", "deepspeed.config=zero3", "stages.0.seq_len=1536"]
-    ref, got = tmp_path / "ref.pt", tmp_path / "packed.pt"
-    torchrun([STEP, "ref", model, data, str(ref), "1", *common, "data.packing=true"], nproc=1)
+    got = tmp_path / "packed.pt"
+    ref = reference_step(model, data, 1, [*common, "data.packing=true"])
     torchrun([STEP, "ds", model, data, str(got), "1", *common, "data.packing=true", f"parallel.sp_size={sp}",
               f"parallel.sp_backend={backend}"], nproc=sp)
     compare_steps(ref, got)
@@ -153,8 +153,8 @@ def test_ring_flash_attn_model_step_equals_one_process(tmp_path, tiny_model_dir,
               f"data.packing={str(packing).lower()}"]
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "tests" / "flash_attn_cpu"),
                                                       os.environ.get("PYTHONPATH")) if p)}
-    ref, got = tmp_path / "ref.pt", tmp_path / "sp.pt"
-    torchrun([STEP, "ref", model, data, str(ref), "1", *common], nproc=1)
+    got = tmp_path / "sp.pt"
+    ref = reference_step(model, data, 1, common)
     torchrun([STEP, "ds", model, data, str(got), "1", *common, "parallel.sp_size=2",
               "parallel.sp_backend=ring_flash_attn"], nproc=2, env=env)
     compare_steps(ref, got, rel_loss=1e-3, rel_grad=2e-2)  # measured ~5e-3; documents leaking: ~1e-1
@@ -165,8 +165,8 @@ def test_dp2_sp2_on_four_ranks_equals_dp2(tmp_path, tiny_model_dir, sample_dir):
     model = str(tiny_model_dir("qwen3"))
     data = str(sample_dir / "512" / "train.jsonl")
     common = ["optim.grad_accum=1", "deepspeed.config=zero3"]
-    ref, got = tmp_path / "ref.pt", tmp_path / "sp.pt"
-    torchrun([STEP, "ref", model, data, str(ref), "2", *common], nproc=1)
+    got = tmp_path / "sp.pt"
+    ref = reference_step(model, data, 2, common)
     torchrun([STEP, "ds", model, data, str(got), "2", *common, "parallel.sp_size=2"], nproc=4)
     compare_steps(ref, got)
 

@@ -1,4 +1,4 @@
-"""ZeRO-3 (+ CPU offload) on 2 ranks over gloo equals one plain-torch process.
+"""ZeRO-3 (+ CPU offload) on 2 ranks over gloo: a real trainer step equals plain PyTorch in this process.
 
 The global batch (2 ranks x grad_accum 2, answers of different lengths) is the same in both;
 the loss is the token mean over the whole global batch, so any mistake in the scaling against
@@ -6,7 +6,7 @@ DeepSpeed's gradient averaging or accumulation shows up as a factor in loss or g
 """
 
 import pytest
-from conftest import ROOT, compare_steps, torchrun
+from conftest import ROOT, compare_steps, reference_step, torchrun
 
 SCRIPT = str(ROOT / "tests" / "dist" / "step_grads.py")
 
@@ -22,7 +22,7 @@ def test_two_rank_step_equals_single_process(tmp_path, tiny_model_dir, sample_di
     data = str(sample_dir / "512" / "train.jsonl")
     common = ["optim.grad_accum=2", f"deepspeed.config={ds_config}", "model.gradient_checkpointing=true",
               "parallel.sp_size=1"]  # 2 data-parallel ranks
-    ref, ds = tmp_path / "ref.pt", tmp_path / "ds.pt"
-    torchrun([SCRIPT, "ref", str(tiny_model_dir), data, str(ref), "2", *common], nproc=1)
+    ds = tmp_path / "ds.pt"
+    ref = reference_step(tiny_model_dir, data, 2, common)
     torchrun([SCRIPT, "ds", str(tiny_model_dir), data, str(ds), "2", *common, *extra], nproc=2)
     compare_steps(ref, ds)

@@ -1,6 +1,7 @@
 """One optimizer step's loss and full parameter gradients: the real trainer against plain PyTorch.
 
     python  tests/dist/step_grads.py ref MODEL DATA OUT DP [key=value ...]   # one process, plain torch
+                                                                            # (tests: reference_step())
     torchrun --nproc_per_node=N tests/dist/step_grads.py ds MODEL DATA OUT DP [key=value ...]
 
 DP is the data-parallel degree whose global batch both modes use; ``parallel.sp_size=2`` in the
@@ -42,33 +43,46 @@ def reference(cfg, model_dir: str, rows, global_idx) -> dict:
             "targets": count}
 
 
-def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
+def _config(model_dir: str, data: str, overrides: list[str], run_dir: str):
     from longsft.train.config import load_config
+
+    return load_config("tiny", [f"model.path={model_dir}", "model.config=null", "data.source=files",
+                                f"data.train_file={data}", f"data.validation_file={data}", f"run_dir={run_dir}",
+                                "stages.0.validate=false", *overrides])
+
+
+def reference_step(model_dir: str, data: str, dp: int, overrides: list[str]) -> dict:
+    """``ref`` mode in this process (the tests call it directly): the step's samples as the trainer picks
+    them for ``dp`` data-parallel ranks, through :func:`reference`."""
     from longsft.train.data.batching import StepSampler, pack
     from longsft.train.data.encoding import encode_all
     from longsft.train.data.schema import load_samples
     from longsft.train.model.build import build_tokenizer
 
-    run_dir = tempfile.mkdtemp(prefix="step_grads_")
-    cfg = load_config("tiny", [f"model.path={model_dir}", "model.config=null", "data.source=files",
-                               f"data.train_file={data}", f"data.validation_file={data}", f"run_dir={run_dir}",
-                               "stages.0.validate=false", *overrides])
-    stage = cfg.stages[0]
+    cfg = _config(model_dir, data, overrides, "unused")
+    stage, o = cfg.stages[0], cfg.optim
     tok = build_tokenizer(cfg.model)
+    items, _ = encode_all(load_samples(data), tok, stage.seq_len, cfg.data.prompt, stage.overflow)
+    rows = pack(items, stage.seq_len, cfg.data.packing)  # the ds run's rows, each sample run on its own
+    sampler = StepSampler(len(rows), dp, 0, o.micro_batch_size, o.grad_accum, cfg.seed)
+    return reference(cfg, model_dir, rows, sampler.global_indices(0))
+
+
+def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: list[str]) -> None:
     if mode == "ref":
-        items, _ = encode_all(load_samples(data), tok, stage.seq_len, cfg.data.prompt, stage.overflow)
-        rows = pack(items, stage.seq_len, cfg.data.packing)  # the ds run's rows, each sample run on its own
-        o = cfg.optim
-        sampler = StepSampler(len(rows), dp, 0, o.micro_batch_size, o.grad_accum, cfg.seed)
-        torch.save(reference(cfg, model_dir, rows, sampler.global_indices(0)), out)
+        torch.save(reference_step(model_dir, data, dp, overrides), out)
         return
 
     import deepspeed
 
+    from longsft.train.model.build import build_tokenizer
     from longsft.train.parallel import comm, distributed
     from longsft.train.training.tracker import Tracker
     from longsft.train.training.trainer import StageTrainer
 
+    run_dir = tempfile.mkdtemp(prefix="step_grads_")
+    cfg = _config(model_dir, data, overrides, run_dir)
+    tok = build_tokenizer(cfg.model)
     d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
     assert d.dims.dp_size == dp, f"{d.world_size} ranks at sp={cfg.parallel.sp_size} are not dp={dp}"
     trainer = StageTrainer(cfg, 0, d, tok, Tracker(Path(run_dir), cfg.logging, enabled=False), {}, lambda: None,
