@@ -1,4 +1,5 @@
-"""A local OpenAI-compatible HTTP server for the synthesis tests (``POST /v1/chat/completions``).
+"""A local OpenAI-compatible HTTP server for the LLM-client, synthesis and ConStory tests
+(``POST /v1/chat/completions``).
 
 Real HTTP, deterministic "models": the reply is computed from the model name and the prompt.
 ``requests`` counts calls per model. The first reply to every distinct ERHG prompt is malformed,
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -48,20 +50,34 @@ def reply_for(model: str, messages: list[dict], seen: set) -> str:
 
 
 class Server:
-    def __init__(self):
+    """The local endpoint. ``answer(body) -> (status, headers, text)`` replies to one request body (default:
+    :func:`reply_for`, status 200); ``requests`` counts calls per model, ``seen`` holds (time, client
+    port, body) per request. HTTP/1.1 with keep-alive, as real servers do."""
+
+    def __init__(self, answer=None):
         self.requests: Counter = Counter()
-        seen: set = set()
+        self.seen: list = []
+        prompts: set = set()
+        answer = answer or (lambda body: (200, {}, reply_for(body["model"], body["messages"], prompts)))
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests[body["model"]] += 1
-                content = reply_for(body["model"], body["messages"], seen)
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+                outer.seen.append((time.monotonic(), self.client_address[1], body))
+                status, headers, text = answer(body)
+                reply = ({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                          "choices": [{"index": 0, "finish_reason": "stop",
+                                       "message": {"role": "assistant", "content": text}}],
+                          "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+                         if status == 200 else {"error": {"message": text}})
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
+                    self.send_header(k, v)
                 self.end_headers()
                 self.wfile.write(data)
 

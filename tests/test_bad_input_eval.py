@@ -7,11 +7,10 @@ naming the file, line or key at fault, every pre-existing file unchanged and no 
 import json
 import os
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from conftest import run_cli, snapshot
+from llm_server import Server
 
 EVAL = ["tokenizer=qwen", "max_new_tokens=2", "bootstrap=0", "progress=false"]
 SAMPLES = [{"id": "a", "language": "en", "article": "Tom went home. He ate bread.", "summary": "Tom ate bread.",
@@ -231,37 +230,11 @@ def test_constory_check_story_not_text(tmp_path, capsys, story, message):
     assert snapshot(tmp_path) == before and not (tmp_path / "c").exists()
 
 
-class MuteJudge:
-    """An OpenAI-compatible endpoint whose model never answers with JSON."""
-
-    def __init__(self):
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
-                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": "Hmm, hard to say."}}]})
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data.encode())
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_constory_stories_the_judge_never_answered_are_unjudged_not_consistent(tmp_path, capsys):
     stories = write_jsonl(tmp_path / "s.jsonl", [
         {"id": "p1", "model_name": "m", "generated_story": "Anna was born in 1990.\n\nAnna was born in 1985."},
         {"id": "p2", "model_name": "m", "generated_story": ""}])  # a failed generation: nothing to judge
-    judge = MuteJudge()
+    judge = Server(lambda body: (200, {}, "Hmm, hard to say."))  # never answers with JSON
     try:
         code, out, err = run_cli(capsys, "constory", "check", f"stories={stories}", "judge=j", "backend=openai",
                                  f"base_url={judge.url}", f"out={tmp_path / 'c'}")

@@ -1,12 +1,8 @@
 """The one LLM client (openai SDK) against a real local HTTP server: Retry-After honoured, retries printed,
 refusals at once, one kept-alive connection; the re-ask helper; the one append-only cache and JSONL reader."""
 
-import json
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
+from llm_server import Server
 
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import DataError
@@ -14,41 +10,11 @@ from longsft.train.common.io import JsonlLog, iter_jsonl
 from longsft.train.common.llm import Endpoint, EndpointError, LLMError, ask_json, reask_json
 
 
-class Script:
-    """A chat endpoint that answers from a script: each entry (status, headers, reply text) serves one request."""
-
-    def __init__(self, script):
-        self.script, self.seen = list(script), []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.seen.append((time.monotonic(), self.client_address[1], body))
-                status, headers, text = outer.script.pop(0) if outer.script else (200, {}, '{"ok": true}')
-                data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": text}}],
-                                   "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-                                  if status == 200 else {"error": {"message": text}}).encode()
-                self.send_response(status)
-                for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+def scripted(entries):
+    """An endpoint answering from a script: each (status, headers, reply text) serves one request, then
+    ``{"ok": true}``."""
+    script = list(entries)
+    return Server(lambda body: script.pop(0) if script else (200, {}, '{"ok": true}'))
 
 
 @pytest.fixture
@@ -56,7 +22,7 @@ def script():
     made = []
 
     def make(*entries):
-        made.append(Script(entries))
+        made.append(scripted(entries))
         return made[-1]
 
     yield make
