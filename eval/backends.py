@@ -74,13 +74,16 @@ class HFBackend:
         return getattr(self.model.config, "max_position_embeddings", None)
 
     def count(self, text: str) -> int:
-        return len(self.tok.encode(text, add_special_tokens=False))
+        with self._tok_lock:
+            return len(self.tok.encode(text, add_special_tokens=False))
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """The conversation through the chat template, ready for the assistant's turn."""
+    def encode_chat(self, messages: list[dict], enable_thinking: bool | None = None) -> list[int]:
+        """The conversation through the chat template, ready for the assistant's turn (``enable_thinking``:
+        default the backend's)."""
+        thinking = self.enable_thinking if enable_thinking is None else enable_thinking
         with self._tok_lock:
             return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False, enable_thinking=self.enable_thinking))
+                                                     return_dict=False, enable_thinking=thinking))
 
     def generate_ids(self, ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
                      top_p: float = 1.0, seed: int | None = None) -> Generation:
@@ -186,7 +189,7 @@ class OpenAIBackend:
             r = self.ep.chat(messages, self.max_new_tokens)
         except EndpointError as e:
             return Generation("", 0, 0, time.time() - t0, error=f"EndpointError: {e}")
-        return Generation(r.text, r.prompt_tokens, r.completion_tokens, time.time() - t0)
+        return Generation(r.text, r.prompt_tokens, r.completion_tokens, time.time() - t0, finish_reason=r.finish_reason)
 
     def generate(self, prompt: str) -> Generation:
         return self.chat(user(prompt))

@@ -227,7 +227,7 @@ class App:
     def complete(self, body: bytes) -> dict:
         req = parse_chat(body, self.cfg)
         try:
-            ids = self.backend.encode_chat(req.messages)
+            ids = self.backend.encode_chat(req.messages, self.cfg.enable_thinking)
         except Exception as e:  # the template's own checks (jinja raise_exception): the client's messages
             raise RequestError(400, f"the chat template rejected the messages: {e}", "messages") from None
         context = self.backend.context

@@ -51,7 +51,7 @@ def reply_for(model: str, messages: list[dict], seen: set) -> str:
 
 class Server:
     """The local endpoint. ``answer(body) -> (status, headers, text)`` replies to one request body (default:
-    :func:`reply_for`, status 200); ``requests`` counts calls per model, ``seen`` holds (time, client
+    :func:`reply_for`, status 200; an error's ``text`` as a dict is sent as the whole body); ``requests`` counts calls per model, ``seen`` holds (time, client
     port, body) per request. HTTP/1.1 with keep-alive, as real servers do."""
 
     def __init__(self, answer=None):
@@ -73,7 +73,7 @@ class Server:
                           "choices": [{"index": 0, "finish_reason": "stop",
                                        "message": {"role": "assistant", "content": text}}],
                           "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
-                         if status == 200 else {"error": {"message": text}})
+                         if status == 200 else text if isinstance(text, dict) else {"error": {"message": text}})
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 for k, v in {"Content-Type": "application/json", "Content-Length": str(len(data)), **headers}.items():

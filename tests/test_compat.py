@@ -3,7 +3,6 @@
 import re
 
 import pytest
-import tomllib
 import torch
 from conftest import ROOT
 
@@ -13,6 +12,7 @@ from longsft.train.common.errors import ConfigError
 
 def _requirements() -> dict[str, str]:
     """Distribution -> version specifier of every requirement in pyproject.toml (extras included)."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     out = {}
@@ -35,7 +35,14 @@ def test_supported_reads_ranges():
     assert compat.supported("deepspeed", "0.19.8") and not compat.supported("deepspeed", "0.20.0")
     assert compat.supported("torch", "2.13.0+cpu") and not compat.supported("torch", "2.14.0")
     assert compat.supported("ring-flash-attn", "0.1.8") and not compat.supported("ring-flash-attn", "0.1.9")
-    assert not compat.supported("ring-flash-attn", None) or compat.installed("ring-flash-attn")
+    assert compat.supported("deepspeed") == compat.supported("deepspeed", compat.installed("deepspeed"))
+
+
+def test_a_missing_distribution_is_not_supported(monkeypatch):
+    monkeypatch.setattr(compat, "installed", lambda dist: None)
+    assert not compat.supported("ring-flash-attn")
+    with pytest.raises(compat.UnsupportedVersion, match="ring-flash-attn not installed: .*supports ring-flash-attn==0.1.8"):
+        raise compat.unsupported("ring-flash-attn", "x")
 
 
 @pytest.mark.parametrize("name", sorted(compat.ATEN_OPS))

@@ -9,7 +9,7 @@ from longsft.train import cli
 
 # command -> what its help must show: a key=value default, or an option's "(default: ...)"
 HELP = {
-    ("train",): ["optim.lr=5e-06", "stages.N.seq_len=2048", "parallel.sp_backend=torch"],
+    ("train",): ["optim.lr=5.0e-06", "optim.betas=[0.9, 0.999]", "stages.N.seq_len=2048", "parallel.sp_backend=torch"],
     ("config",): ["--get KEY", "parallel.sp_size=1"],
     ("plan",): ["(default: 79.0)", "(default: 8)", "optim.grad_accum=1"],
     ("submit",): ["(default: 1)", "--dry-run", "deepspeed.config=zero3_offload"],

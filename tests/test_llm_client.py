@@ -31,24 +31,32 @@ def script():
 
 
 def test_retry_after_is_honoured_and_each_retry_printed(script, capsys):
-    s = script((429, {"Retry-After": "1.2"}, "slow down"), (503, {}, "busy"), (200, {}, "hello"))
+    s = script((429, {"Retry-After": "2"}, "slow down"), (503, {}, "busy"), (200, {}, "hello"))
     r = Endpoint("m", s.url).chat([{"role": "user", "content": "hi"}])
-    assert (r.text, r.prompt_tokens, r.completion_tokens) == ("hello", 3, 2)
+    assert (r.text, r.prompt_tokens, r.completion_tokens, r.finish_reason) == ("hello", 3, 2, "stop")
     (t0, *_), (t1, *_), (t2, *_) = s.seen
-    assert t1 - t0 >= 1.2  # the server's Retry-After, not the SDK's own first backoff (<= 0.5 s)
-    assert t2 - t1 < 1.0  # no Retry-After: exponential backoff from 0.5 s
-    err = capsys.readouterr().err
-    assert f"longsft: m@{s.url}: request failed; retry 1/2 in 1.2s" in err and "retry 2/2 in" in err
+    assert t1 - t0 >= 2.0  # the server's Retry-After, not the SDK's own first backoff (<= 0.5 s)
+    assert t2 - t1 < 1.6  # no Retry-After: the SDK's second backoff, 1 s less up to 25% jitter
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"longsft: m@{s.url}: HTTP 429, Retry-After 2 s; retry 1/2", f"longsft: m@{s.url}: HTTP 503; retry 2/2"]
 
 
-def test_a_refusal_fails_at_once_and_retries_run_out_with_the_reason(script):
+def test_refusals_fail_at_once_and_retries_run_out_with_the_reason(script, capsys):
     s = script((404, {}, "model 'm' not found"))
     with pytest.raises(EndpointError, match=r"m@\S+: HTTP 404: model 'm' not found; wrong model name, key or URL\?"):
         Endpoint("m", s.url).chat([{"role": "user", "content": "hi"}])
-    assert len(s.seen) == 1
-    s = script(*[(503, {"Retry-After": "0"}, "busy")] * 2)
-    with pytest.raises(EndpointError, match=r"no answer after 2 requests \(HTTP 503: busy\)"):
+    s2 = script((404, {}, {"detail": "Not Found"}))  # a server's own error shape: its body is shown
+    with pytest.raises(EndpointError, match=r"HTTP 404: \{\"detail\": \"Not Found\"\}; wrong model name"):
+        Endpoint("m", s2.url).chat([{"role": "user", "content": "hi"}])
+    assert len(s.seen) == len(s2.seen) == 1 and not capsys.readouterr().err
+    s = script(*[(501, {"Retry-After": "0"}, "not here")] * 2)  # any 5xx is retried, and said so
+    with pytest.raises(EndpointError, match=r"no answer after 2 requests \(HTTP 501: not here\)"):
         Endpoint("m", s.url, retries=1).chat([{"role": "user", "content": "hi"}])
+    s = script((429, {"Retry-After": "300"}, "come back later"))  # longer than the SDK waits: not retried
+    with pytest.raises(EndpointError, match=r"no answer after 1 request \(HTTP 429: come back later; it asked to "
+                                            r"wait 300 s, longer than the client waits"):
+        Endpoint("m", s.url).chat([{"role": "user", "content": "hi"}])
+    assert len(s.seen) == 1
 
 
 def test_one_endpoint_keeps_one_connection(script):

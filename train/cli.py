@@ -48,7 +48,13 @@ from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_e
 
 
 class HELP(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with every option's default, and the run keys' table (epilog) as written."""
+    """--help with every option's default (none shown where there is none), and the run keys' table
+    (epilog) as written."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.required or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _data(argv: list[str]) -> int:

@@ -346,8 +346,11 @@ def _key_rows(cls: type, prefix: str) -> list[tuple[str, str]]:
         else:
             above = []
 
-    def shown(v) -> str:
-        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    def shown(v) -> str:  # as it would be typed back: YAML flow style (tuples as lists)
+        v = list(v) if isinstance(v, tuple) else v
+        if v == "":
+            return ""
+        return yaml.safe_dump(v, default_flow_style=True, width=10**6).strip().removesuffix("\n...").strip()
 
     hints, rows = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):

@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from longsft.train.common.compat import storage_id, torch_dispatch_mode, tree_leaves
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import read_json
 from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig
@@ -244,7 +243,7 @@ def _meta_model(hf, layers: int, dtype: torch.dtype):
         return AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="longsft_plan_trace")
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(torch_dispatch_mode()):
     """Bytes of live tensor storages created under this mode (current and peak); parameters excluded."""
 
     def __init__(self, ignore: set[int]):
@@ -253,7 +252,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = storage_id(storage)
         if key in self.ignore or key in self.live:
             return
         n = storage.nbytes()
@@ -268,7 +267,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
@@ -289,7 +288,7 @@ def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     x = torch.zeros(1, tokens, hf.hidden_size, device="meta", dtype=dtype, requires_grad=True)
     pos = torch.arange(tokens, device="meta")[None]
-    live = _LiveBytes({p.untyped_storage()._cdata for p in model.parameters()})
+    live = _LiveBytes({storage_id(p.untyped_storage()) for p in model.parameters()})
     with live:
         h = model.model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state
         h.backward(torch.ones_like(h))
@@ -304,7 +303,7 @@ def prefill_peak(shape: Shape, m: ModelConfig, tokens: int) -> int:
         dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float32
         model = _meta_model(shape.hf, 1, dtype).eval()
         x = torch.zeros(1, tokens, shape.hidden, device="meta", dtype=dtype)
-        live = _LiveBytes({p.untyped_storage()._cdata for p in model.parameters()})
+        live = _LiveBytes({storage_id(p.untyped_storage()) for p in model.parameters()})
         with live, torch.no_grad():
             model.model(inputs_embeds=x, position_ids=torch.arange(tokens, device="meta")[None], use_cache=False)
         shape.traces[key] = live.peak

@@ -10,7 +10,8 @@ of them in each prediction pattern (one system: predicted 0/1; two systems: the 
 pairs). That is the same distribution as drawing ``[replicates, items]`` indices, at a cost that
 does not grow with the number of items (100,000 items x 2,000 replicates in milliseconds).
 tests/test_bootstrap.py checks the per-replicate metrics against scikit-learn on the item sets the
-counts describe, and the intervals against an index-resampling reference.
+counts describe, the count draws against the laws of index resampling (a chi-square fit, the paired
+moments), and each interval against the stated percentiles of its replicates.
 """
 
 from __future__ import annotations

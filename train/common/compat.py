@@ -6,6 +6,8 @@ otherwise raises :class:`UnsupportedVersion` naming the installed version and th
 
 - :func:`aten_op`: PyTorch's private fused attention ops, called positionally by the ring
   (the positional argument names are checked against the op's schema);
+- :func:`torch_dispatch_mode`, :func:`tree_leaves`, :func:`storage_id`: the private PyTorch utilities
+  the memory planner traces with;
 - :func:`zero3_full_state_dict`: DeepSpeed's ``_zero3_consolidated_16bit_state_dict``;
 - :func:`routes_attention`: transformers' ``_supports_attention_backend`` class flag;
 - :func:`import_bare`: a ring-flash-attn module imported without the package's ``__init__``.
@@ -28,6 +30,7 @@ SUPPORTED = {
     "deepspeed": ">=0.19,<0.20",
     "transformers": ">=5.24,<6",
     "ring-flash-attn": "==0.1.8",
+    "openai": ">=3.57,<4",
 }
 
 
@@ -108,6 +111,32 @@ def aten_op(name: str):
         raise unsupported("torch", f"aten::{name} is missing") from None
     check_schema(name, op._schema)
     return op
+
+
+def torch_dispatch_mode() -> type:
+    """``torch.utils._python_dispatch.TorchDispatchMode`` (the planner's allocation tracer subclasses it)."""
+    try:
+        from torch.utils._python_dispatch import TorchDispatchMode
+    except ImportError:
+        raise unsupported("torch", "torch.utils._python_dispatch.TorchDispatchMode is missing") from None
+    return TorchDispatchMode
+
+
+def tree_leaves(tree) -> list:
+    """The tensors (and other leaves) of a nested output (``torch.utils._pytree``)."""
+    try:
+        from torch.utils._pytree import tree_flatten
+    except ImportError:
+        raise unsupported("torch", "torch.utils._pytree.tree_flatten is missing") from None
+    return tree_flatten(tree)[0]
+
+
+def storage_id(storage) -> int:
+    """A key identifying an untyped storage while it lives (``UntypedStorage._cdata``)."""
+    try:
+        return storage._cdata
+    except AttributeError:
+        raise unsupported("torch", "UntypedStorage._cdata is missing (the planner counts storages by it)") from None
 
 
 # -------------------------------------------------------------------------------------- DeepSpeed

@@ -3,7 +3,8 @@
 Data construction (ERHG, MMA), ``longsft eval backend=openai`` and ConStory's judge all ask through
 :class:`Endpoint`, on the ``openai`` SDK: one client per endpoint keeps its connections open, and
 connection errors, timeouts and HTTP 408/409/429/5xx are retried with exponential backoff, honouring
-the server's ``Retry-After`` (up to two minutes). Each retry is printed. An endpoint that gives no
+the server's ``Retry-After`` (up to two minutes, as openai 3.x does; ``compat.SUPPORTED``). Each retry
+is printed with why the request before it failed (httpx event hooks). An endpoint that gives no
 answer after the retries, or refuses the request (wrong model, key or URL), is
 :class:`EndpointError`: a build stops at the first request instead of grinding through every sample.
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextvars
 import functools
 import hashlib
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -25,9 +25,6 @@ from dataclasses import dataclass
 
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.jsontext import extract_json_object
-
-RETRYABLE_HTTP = (408, 409, 429, 500, 502, 503, 504)
-
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -54,31 +51,34 @@ class Endpoint:
         """One chat completion (after the SDK's retries), or :class:`EndpointError`."""
         import openai
 
-        token = _ASKING.set(str(self))
+        call = _Call(str(self), self.retries)
+        token = _CALL.set(call)
         try:
             r = _client(self.base_url, os.environ.get(self.api_key_env) or "none", self.timeout_s, self.retries) \
                 .chat.completions.create(model=self.model, messages=messages, temperature=self.temperature,
                                          max_tokens=max_tokens)
-            text = r.choices[0].message.content or ""
-            usage = r.usage
+            choice = r.choices[0]
+            text, usage, finish = choice.message.content or "", r.usage, choice.finish_reason
         except openai.APIStatusError as e:
-            detail = e.body.get("message") if isinstance(e.body, dict) else e.body
-            detail = " ".join(str(detail or "").split())[:300]
-            why = f"HTTP {e.status_code}" + (f": {detail}" if detail else "")
-            if e.status_code in RETRYABLE_HTTP:
-                raise EndpointError(f"{self}: no answer after {self.retries + 1} requests ({why})") from None
+            why = f"HTTP {e.status_code}" + (f": {detail}" if (detail := _detail(e)) else "")
+            if _retryable(e.status_code):
+                wait = e.response.headers.get("retry-after")
+                asked = (f"; it asked to wait {wait} s, longer than the client waits (2 minutes)"
+                         if wait and call.attempts == 1 and self.retries else "")
+                raise EndpointError(f"{self}: no answer after {_requests(call.attempts)} ({why}{asked})") from None
             raise EndpointError(f"{self}: {why}; wrong model name, key or URL?") from None
         except openai.APIConnectionError as e:
             cause = e.__cause__ or e.__context__
             why = f"{e.message} {cause}".strip() if cause else e.message
-            raise EndpointError(f"{self}: no answer after {self.retries + 1} requests ({why}); is the server "
+            raise EndpointError(f"{self}: no answer after {_requests(call.attempts)} ({why}); is the server "
                                 "running at that URL?") from None
         except (AttributeError, IndexError, KeyError, TypeError, ValueError, openai.APIResponseValidationError) as e:
             raise EndpointError(f"{self}: the reply is not an OpenAI chat completion ({type(e).__name__}); is the "
                                 "URL the API root (…/v1)?") from None
         finally:
-            _ASKING.reset(token)
-        return Reply(text, getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0)
+            _CALL.reset(token)
+        return Reply(text, getattr(usage, "prompt_tokens", 0) or 0, getattr(usage, "completion_tokens", 0) or 0,
+                     "length" if finish == "length" else "stop")
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Reply:
     text: str
     prompt_tokens: int
     completion_tokens: int
+    finish_reason: str = "stop"  # "length": cut at max_tokens
 
 
 class LLMError(RuntimeError):
@@ -96,35 +97,68 @@ class EndpointError(RuntimeError):
     """The endpoint gave no answer at all: down, wrong URL or model, refusing requests."""
 
 
-@functools.cache
-def _client(base_url: str, api_key: str, timeout_s: float, retries: int):
-    import openai
+def _requests(n: int) -> str:
+    return f"{n} request" + ("" if n == 1 else "s")
 
-    _print_retries()
-    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=retries)
+
+def _retryable(status: int) -> bool:
+    """The statuses the SDK retries (408 timeout, 409 lock, 429 rate limit, any 5xx)."""
+    return status in (408, 409, 429) or status >= 500
+
+
+def _detail(e) -> str:
+    """The server's explanation of an HTTP error: its JSON ``message``, else the body text (shortened)."""
+    body = e.body.get("message") if isinstance(e.body, dict) and "message" in e.body else None
+    if body is None:
+        try:
+            body = e.response.text
+        except Exception:  # a streamed or closed body: nothing more to say
+            body = ""
+    return " ".join(str(body).split())[:300]
 
 
 # ------------------------------------------------------------------------------ printed retries
 
-_ASKING: contextvars.ContextVar[str] = contextvars.ContextVar("longsft_endpoint", default="endpoint")
+
+@dataclass
+class _Call:
+    """One ``Endpoint.chat``: its requests so far and why the last one failed."""
+
+    endpoint: str
+    retries: int
+    attempts: int = 0
+    why: str = "no response (connection failed or timed out)"
 
 
-class _RetryLine(logging.Handler):
-    """The SDK's "Retrying request in S seconds (retry N of M)" as one line on stderr, naming the endpoint."""
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("longsft_llm_call", default=None)
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("Retrying request in") and len(record.args or ()) == 3:
-            wait, n, total = record.args
-            print(f"longsft: {_ASKING.get()}: request failed; retry {n}/{total} in {wait:.1f}s", file=sys.stderr,
-                  flush=True)
+
+def _on_request(request) -> None:
+    """httpx hook, per attempt: from the second on, one line saying the previous one failed and why."""
+    call = _CALL.get()
+    if call is None:
+        return
+    call.attempts += 1
+    if call.attempts > 1:
+        print(f"longsft: {call.endpoint}: {call.why}; retry {call.attempts - 1}/{call.retries}", file=sys.stderr,
+              flush=True)
+    call.why = "no response (connection failed or timed out)"
+
+
+def _on_response(response) -> None:
+    call = _CALL.get()
+    if call is not None and response.status_code >= 400:
+        wait = response.headers.get("retry-after")
+        call.why = f"HTTP {response.status_code}" + (f", Retry-After {wait} s" if wait else "")
 
 
 @functools.cache
-def _print_retries() -> None:
-    log = logging.getLogger("openai._base_client")
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
-    log.addHandler(_RetryLine(logging.INFO))
+def _client(base_url: str, api_key: str, timeout_s: float, retries: int):
+    """One SDK client per endpoint and settings: its connection pool stays open across requests."""
+    import openai
+
+    http = openai.DefaultHttpxClient(event_hooks={"request": [_on_request], "response": [_on_response]})
+    return openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=retries, http_client=http)
 
 
 # ------------------------------------------------------------------------------ re-asking

@@ -57,6 +57,9 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
     """
     micro = sampler.step(step)
     n_global = sum(n_targets(rows[i]) for i in sampler.global_indices(step))
+    if n_global == 0:  # encoding keeps every sample's answer: a step without one is a bug, not a zero loss
+        raise RuntimeError(f"step {step + 1}: no answer token in its {sampler.global_batch} samples")
+    assert len(micro) == engine.gradient_accumulation_steps(), (len(micro), engine.gradient_accumulation_steps())
     scale = backward_scale(n_global, engine.dp_world_size, len(micro))
     loss_sum, tokens, targets = 0.0, 0, []
     for k, idx in enumerate(micro):
@@ -73,4 +76,4 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
         engine.step()
     # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
     loss_total, tokens_total = comm.all_reduce([loss_sum, tokens if d.sp_rank == 0 else 0])
-    return StepStats(loss_total / max(1, n_global), int(tokens_total), targets)
+    return StepStats(loss_total / n_global, int(tokens_total), targets)
