@@ -41,7 +41,7 @@ def test_supported_reads_ranges():
 def test_a_missing_distribution_is_not_supported(monkeypatch):
     monkeypatch.setattr(compat, "installed", lambda dist: None)
     assert not compat.supported("ring-flash-attn")
-    with pytest.raises(compat.UnsupportedVersion, match="ring-flash-attn not installed: .*supports ring-flash-attn==0.1.8"):
+    with pytest.raises(compat.UnsupportedVersion, match="ring-flash-attn not installed: .*ring-flash-attn==0.1.8"):
         raise compat.unsupported("ring-flash-attn", "x")
 
 

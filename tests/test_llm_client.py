@@ -38,7 +38,8 @@ def test_retry_after_is_honoured_and_each_retry_printed(script, capsys):
     assert t1 - t0 >= 2.0  # the server's Retry-After, not the SDK's own first backoff (<= 0.5 s)
     assert t2 - t1 < 1.6  # no Retry-After: the SDK's second backoff, 1 s less up to 25% jitter
     err = capsys.readouterr().err.splitlines()
-    assert err == [f"longsft: m@{s.url}: HTTP 429, Retry-After 2 s; retry 1/2", f"longsft: m@{s.url}: HTTP 503; retry 2/2"]
+    assert err == [f"longsft: m@{s.url}: HTTP 429, Retry-After 2 s; retry 1/2",
+                   f"longsft: m@{s.url}: HTTP 503; retry 2/2"]
 
 
 def test_refusals_fail_at_once_and_retries_run_out_with_the_reason(script, capsys):

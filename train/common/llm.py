@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.jsontext import extract_json_object
 
+
 @dataclass(frozen=True)
 class Endpoint:
     """``model@base_url``; the key is read from ``api_key_env``; ``retries`` after the first request."""
