@@ -52,7 +52,8 @@ def reply_for(model: str, messages: list[dict], seen: set) -> str:
 class Server:
     """The local endpoint. ``answer(body) -> (status, headers, text)`` replies to one request body
     (default: :func:`reply_for`, status 200; an error's ``text`` as a dict is sent as the whole body);
-    ``requests`` counts calls per model, ``seen`` holds (time, client port, body) per request. HTTP/1.1 with keep-alive, as real servers do."""
+    ``requests`` counts calls per model, ``seen`` holds (time, client port, body) per request.
+    HTTP/1.1 with keep-alive, as real servers do."""
 
     def __init__(self, answer=None):
         self.requests: Counter = Counter()
