@@ -63,7 +63,7 @@ class EvalConfig:
     tensor_parallel: int = 1  # vllm: GPUs per model
     base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
     api_key_env: str = "OPENAI_API_KEY"
-    requests_per_minute: float = 0.0
+    requests_per_minute: float = 0.0  # openai: pace the items (0: no limit); retries wait as the server asks
     retries: int = 4  # openai: requests after the first (exponential backoff; a Retry-After is honoured)
     limit: int = 0  # evaluate the first N items only (0: all)
     name: str = ""  # default: <model folder>-<method>-<prompt> (a checkpoint: <run>-<stage>-best-...)
