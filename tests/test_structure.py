@@ -3,7 +3,7 @@
 Layers, bottom to top (a module imports only from its own layer or below, at any level of the
 file, function-level imports included):
 
-0. ``train.common``: errors, file I/O, the LLM client and cache, version guards
+0. ``train.common``: errors, file I/O, the LLM client and cache, version guards, the --help formatter
 1. ``eval.scoring``: the shared scorer (judgement parsing, metrics, bootstrap, ``score``)
 2. ``train.config``: typed config and recipes (with ``train.parallel.backends``, the start-up check of
    which sequence-parallel backend can run here, which config validation calls)

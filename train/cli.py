@@ -43,37 +43,28 @@ import warnings
 from pathlib import Path
 
 from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.helpfmt import DefaultsHelp
 from longsft.train.common.io import check_output_file
 from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_epilog, wants_help
 
 
-class HELP(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """--help with every option's default (none shown where there is none), and the run keys' table
-    (epilog) as written."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.required or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _data(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft data", formatter_class=HELP)
+    ap = argparse.ArgumentParser(prog="longsft data", formatter_class=DefaultsHelp)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("sample", formatter_class=HELP, help="write the deterministic offline sample set")
+    s = sub.add_parser("sample", formatter_class=DefaultsHelp, help="write the deterministic offline sample set")
     s.add_argument("--out", required=True, help="output folder (BUCKET/train.jsonl, BUCKET/validation.jsonl)")
     s.add_argument("--buckets", default="512,1k,2k,4k", help="length buckets to write")
     s.add_argument("--n", type=int, default=16, help="train samples per language and bucket")
     s.add_argument("--n-validation", type=int, default=4, help="validation samples per language and bucket")
     s.add_argument("--seed", type=int, default=42, help="random seed")
-    e = sub.add_parser("extend", formatter_class=HELP,
+    e = sub.add_parser("extend", formatter_class=DefaultsHelp,
                        help="textual units of books -> samples in token-length buckets")
     e.add_argument("units", help="JSONL: book, unit, language, text, summary (a book's units contiguous, in order)")
     e.add_argument("--out", required=True, help="output folder (one JSONL per bucket, stats)")
     e.add_argument("--buckets", default="16k,32k,64k,100k", help="names (default bounds) or name=lower:upper")
     e.add_argument("--tokenizer", default="qwen", help="qwen (the Qwen3 vocabulary, offline) or an HF path")
     e.add_argument("--resume", action="store_true", help="continue an interrupted build in --out")
-    a = sub.add_parser("ablation", formatter_class=HELP,
+    a = sub.add_parser("ablation", formatter_class=DefaultsHelp,
                        help="Table 5 training sets (mma_only, mma_erhg) x sizes + held-out sets")
     a.add_argument("inputs", nargs="+", help="JSONL samples with bucket and source (human/mma/erhg)")
     a.add_argument("--out", required=True, help="output folder (training and held-out sets, table5.sweep)")
@@ -81,7 +72,7 @@ def _data(argv: list[str]) -> int:
     a.add_argument("--val-articles", type=int, default=20, help="held-out validation articles per bucket")
     a.add_argument("--test-articles", type=int, default=50, help="held-out test articles per bucket")
     a.add_argument("--seed", type=int, default=42, help="random seed of the splits and subsets")
-    h = sub.add_parser("erhg", formatter_class=HELP,
+    h = sub.add_parser("erhg", formatter_class=DefaultsHelp,
                        help="hallucinated summaries by entity-referenced edits (offline rules or an LLM)")
     h.add_argument("input", help="JSONL of faithful samples (e.g. data extend output)")
     h.add_argument("--out", required=True, help="output JSONL (problems and stats written next to it)")
@@ -89,7 +80,7 @@ def _data(argv: list[str]) -> int:
     h.add_argument("--endpoint", help="llm engine: MODEL@http://host:port/v1 (OpenAI-compatible)")
     h.add_argument("--multi", type=float, default=0.3, help="share of samples with three edits (gold 1), else one (gold 2)")
     h.add_argument("--seed", type=int, default=42, help="random seed of the edits")
-    m = sub.add_parser("mma", formatter_class=HELP,
+    m = sub.add_parser("mma", formatter_class=DefaultsHelp,
                        help="summaries by generator models, scored by two judges and an arbiter")
     m.add_argument("input", help="JSONL samples whose articles to summarise")
     m.add_argument("--out", required=True, help="output JSONL (answers cached in OUT.cache.jsonl)")
@@ -206,7 +197,8 @@ def _config(argv: list[str]) -> int:
 def _plan(argv: list[str]) -> int:
     from longsft.train import plan
 
-    ap = argparse.ArgumentParser(prog="longsft plan", formatter_class=HELP, epilog=run_keys_epilog(),
+    ap = argparse.ArgumentParser(prog="longsft plan", formatter_class=DefaultsHelp,
+                                 epilog=run_keys_epilog() if wants_help(argv) else None,  # built only for --help
                                  description="predicted per-GPU peak memory of every stage")
     ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
     ap.add_argument("--nodes", type=int, default=1, help="nodes")
@@ -250,7 +242,7 @@ def _plan(argv: list[str]) -> int:
 def _status(argv: list[str]) -> int:
     from longsft.train.training.report import read_state, status_table
 
-    ap = argparse.ArgumentParser(prog="longsft status", formatter_class=HELP,
+    ap = argparse.ArgumentParser(prog="longsft status", formatter_class=DefaultsHelp,
                                  description="stage table of a run; exit 0 when every stage is done, else 1")
     ap.add_argument("run_dir", help="the run directory (holds state.json)")
     if wants_help(argv):
@@ -264,7 +256,7 @@ def _status(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft report", formatter_class=HELP,
+    ap = argparse.ArgumentParser(prog="longsft report", formatter_class=DefaultsHelp,
                                  description="tables from training or evaluation runs")
     ap.add_argument("dirs", nargs="*", help="run directories, or folders of them (a sweep root, runs/eval)")
     ap.add_argument("--out", help="where to write the report files (default: the only DIR given)")
@@ -295,7 +287,7 @@ def _report(argv: list[str]) -> int:
 
 
 def _sweep(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="longsft sweep", formatter_class=HELP,
+    ap = argparse.ArgumentParser(prog="longsft sweep", formatter_class=DefaultsHelp,
                                  description="check a sweep file, or print one task's args")
     ap.add_argument("file", help="sweep file: one task per line, NAME key=value ...")
     ap.add_argument("--root", help="task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")
@@ -321,7 +313,8 @@ def _sweep(argv: list[str]) -> int:
 def _submit(argv: list[str]) -> int:
     from longsft.train.cluster.slurm import Resources, submit
 
-    ap = argparse.ArgumentParser(prog="longsft submit", formatter_class=HELP, epilog=run_keys_epilog(),
+    ap = argparse.ArgumentParser(prog="longsft submit", formatter_class=DefaultsHelp,
+                                 epilog=run_keys_epilog() if wants_help(argv) else None,
                                  description="check, snapshot and sbatch a run or sweep")
     ap.add_argument("--sweep", help="sweep file: submit an array job, one task per line")
     ap.add_argument("--root", help="sweep: task NAME trains in ROOT/NAME (default runs/sweeps/<file stem>)")

@@ -14,6 +14,7 @@ from pathlib import Path
 from longsft.eval.scoring.judgement import normalize_types
 from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.helpfmt import DefaultsHelp
 from longsft.train.common.io import atomic_write_json, check_input_file, check_output_file, iter_jsonl
 
 
@@ -66,7 +67,7 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="longsft score", description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelp)
     ap.add_argument("predictions", help="JSONL with id, prediction, gold_score")
     ap.add_argument("--out", help="JSON output (default: <predictions>.scores.json)")
     ap.add_argument("--invalid-policy", default="wrong", choices=["wrong", "hallucinated", "faithful"],

@@ -113,7 +113,7 @@ def _detail(e) -> str:
     if body is None:
         try:
             body = e.response.text
-        except Exception:  # a streamed or closed body: nothing more to say
+        except RuntimeError:  # httpx's ResponseNotRead (a streamed body): nothing more to say
             body = ""
     return " ".join(str(body).split())[:300]
 
@@ -128,9 +128,10 @@ class _Call:
     endpoint: str
     retries: int
     attempts: int = 0
-    why: str = "no response (connection failed or timed out)"
+    why: str = ""
 
 
+NO_RESPONSE = "no response (connection failed or timed out)"
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("longsft_llm_call", default=None)
 
 
@@ -143,7 +144,7 @@ def _on_request(request) -> None:
     if call.attempts > 1:
         print(f"longsft: {call.endpoint}: {call.why}; retry {call.attempts - 1}/{call.retries}", file=sys.stderr,
               flush=True)
-    call.why = "no response (connection failed or timed out)"
+    call.why = NO_RESPONSE  # unless a response says otherwise
 
 
 def _on_response(response) -> None:
