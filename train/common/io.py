@@ -2,14 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from longsft.train.common.errors import DataError
+
+
+def cache_dir() -> Path:
+    """longsft's own cache: ``$LONGSFT_CACHE``, else ``~/.cache/longsft``."""
+    return Path(os.environ.get("LONGSFT_CACHE", Path.home() / ".cache" / "longsft"))
+
+
+def sha256_file(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read 1 MiB at a time."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
 
 
 def check_input_file(path: str | Path) -> Path:
@@ -56,7 +72,7 @@ def safe_name(name: Any, what: str, error: type[ValueError] = DataError) -> str:
     return text
 
 
-def _loads(text: str, where: str, document: bool = False) -> Any:
+def loads(text: str, where: str, document: bool = False) -> Any:
     """``json.loads`` with DataErrors naming ``where`` (plus the line, for a whole ``document``)."""
     try:
         return json.loads(text)
@@ -83,7 +99,7 @@ def read_json(path: str | Path, what: str = "JSON file") -> Any:
     text = read_text(path)
     if not text.strip():
         raise DataError(f"{path}: empty {what}")
-    return _loads(text, str(path), document=True)
+    return loads(text, str(path), document=True)
 
 
 def iter_jsonl(path: str | Path, log: bool = False) -> Iterator[tuple[int, dict]]:
@@ -103,7 +119,7 @@ def iter_jsonl(path: str | Path, log: bool = False) -> Iterator[tuple[int, dict]
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                rec = _loads(line, f"{path}:{lineno}")
+                rec = loads(line, f"{path}:{lineno}")
                 if not isinstance(rec, dict):
                     raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
             except UnicodeDecodeError as e:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from longsft.eval.scoring.judgement import TYPES, normalize_type, normalize_types, parse_judgement
 from longsft.train.common.errors import DataError
-from longsft.train.common.io import iter_jsonl
 from longsft.train.data.prompts import render_target
+from longsft.train.data.sources import open_source
 
 LANGUAGES = ("zh", "en")
 
@@ -94,8 +94,9 @@ class Sample:
 
 
 def load_samples(path: str | Path) -> list[Sample]:
-    """Read and validate a JSONL file; errors name the file, line and field."""
-    return [_parse_record(rec, where) for where, rec in _checked_records(path)]
+    """Read and validate a samples source (:func:`~longsft.train.data.sources.open_source`); errors
+    name the file, line (or row) and field."""
+    return [parse_record(rec, where) for where, rec in _checked_records(path)]
 
 
 def read_records(path: str | Path, required: tuple[str, ...] = ("id", "language", "article", "summary")) -> list[dict]:
@@ -107,18 +108,29 @@ def read_records(path: str | Path, required: tuple[str, ...] = ("id", "language"
 def _checked_records(path: str | Path, required: tuple[str, ...] = ("id", "language", "article", "summary")):
     """Yield ('file:line', record) after :func:`check_sample`; a repeated id or no record is a DataError."""
     seen: dict = {}
-    for lineno, rec in iter_jsonl(path):
-        where = f"{path}:{lineno}"
+    for where, rec in open_source(path):
         check_sample(rec, where, required)
-        if rec["id"] in seen:
-            raise DataError(f"{where}: duplicate id {rec['id']!r} (also on line {seen[rec['id']]})")
-        seen[rec["id"]] = lineno
+        check_unique(rec["id"], where, seen)
         yield where, rec
     if not seen:
         raise DataError(f"{path}: no samples")
 
 
-def _parse_record(rec: dict, where: str) -> Sample:
+def check_unique(sample_id: str, where: str, seen: dict[str, str]) -> None:
+    """A DataError when ``sample_id`` is in ``seen`` (id -> where); else record it."""
+    if sample_id in seen:
+        raise DataError(f"{where}: duplicate id {sample_id!r} (also at {seen[sample_id]})")
+    seen[sample_id] = where
+
+
+def read_sample(source, i: int) -> tuple[str, Sample]:
+    """('where', sample) of row ``i`` of an open source, checked (but for the unique-id check) and parsed."""
+    where, rec = source.get(i)
+    check_sample(rec, where)
+    return where, parse_record(rec, where)
+
+
+def parse_record(rec: dict, where: str) -> Sample:
     """One record already checked by :func:`check_sample` -> Sample (its training target rendered)."""
     lang = rec["language"]
     if "gold_score" in rec:

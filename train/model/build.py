@@ -10,6 +10,7 @@ import torch
 
 from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import cache_dir
 from longsft.train.config import ModelConfig
 from longsft.train.model.loss import attach_fused_loss
 from longsft.train.parallel import comm
@@ -24,10 +25,6 @@ QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_st
                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
                  "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LONGSFT_CACHE", Path.home() / ".cache" / "longsft"))
 
 
 def qwen_tokenizer():
