@@ -24,14 +24,13 @@ def one_sequence(cfg, seq: int, d, answer: int = ANSWER) -> dict:
     """One sequence of ``seq`` random token ids, the last ``answer`` of them targets, as a batch."""
     import torch
 
-    from longsft.train.data.encoding import IGNORE, Encoded
-    from longsft.train.data.schema import Sample
+    from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_hf_config
     from longsft.train.training.step import make_batch
 
     vocab = build_hf_config(cfg.model).vocab_size
     ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(0)).tolist()
-    item = Encoded(Sample("b", "en", "a", "s", 4, "t"), ids, [IGNORE] * (seq - answer) + ids[-answer:], seq - answer)
+    item = Encoded(Meta("b", "en", 4), ids, seq - answer)
     return make_batch([item], 0, d)[0]
 
 

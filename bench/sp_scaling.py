@@ -34,8 +34,7 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     import torch
 
     from longsft.train.config import load_config
-    from longsft.train.data.encoding import IGNORE, Encoded
-    from longsft.train.data.schema import Sample
+    from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_model
     from longsft.train.model.loss import token_loss_sum
     from longsft.train.parallel import comm, distributed
@@ -48,7 +47,7 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     model = build_model(cfg.model, sp_size=sp)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.model.config["vocab_size"], (seq,), generator=g).tolist()
-    item = Encoded(Sample("b", "en", "a", "s", 4, "t"), ids, [IGNORE] * (seq - 64) + ids[-64:], seq - 64)
+    item = Encoded(Meta("b", "en", 4), ids, seq - 64)
     batch, _ = make_batch([item], 0, d)
 
     def step() -> None:

@@ -6,9 +6,9 @@ import pytest
 
 from longsft.train.common.errors import DataError
 from longsft.train.data.batching import StepSampler, collate, pack
-from longsft.train.data.encoding import IGNORE, Encoded, encode, prompt_ids
+from longsft.train.data.encoding import IGNORE, Encoded, Meta, encode, prompt_ids
 from longsft.train.data.prompts import render_prompt
-from longsft.train.data.schema import Sample, load_samples
+from longsft.train.data.schema import load_samples
 
 REC = {"id": "x1", "language": "en", "article": "Arthur led 300 soldiers to Ravenford. " * 5,
        "summary": "Arthur led 300 soldiers to Ravenford.", "gold_score": 2, "types": ["Numeric"],
@@ -112,16 +112,15 @@ def test_step_sampler_partitions_each_step_and_is_deterministic():
 
 
 def _enc(name, n, answer):
-    return Encoded(Sample(name, "en", "a", "s", 4, "t"), list(range(1, n + 1)), [IGNORE] * (n - answer) +
-                   list(range(n - answer + 1, n + 1)), n - answer)
+    return Encoded(Meta(name, "en", 4), list(range(1, n + 1)), n - answer)
 
 
 def test_pack_first_fit_decreasing_is_deterministic_and_bounded():
     items = [_enc(f"s{i}", n, 2) for i, n in enumerate([7, 3, 5, 2, 6, 4])]
     rows = pack(items, 10, True)
     assert all(sum(len(e.input_ids) for e in r) <= 10 for r in rows)
-    assert sorted(e.sample.id for r in rows for e in r) == sorted(e.sample.id for e in items)
-    assert [[e.sample.id for e in r] for r in rows] == [[e.sample.id for e in r] for r in pack(items[::-1], 10, True)]
+    assert sorted(e.meta.id for r in rows for e in r) == sorted(e.meta.id for e in items)
+    assert [[e.meta.id for e in r] for r in rows] == [[e.meta.id for e in r] for r in pack(items[::-1], 10, True)]
     assert len(rows) == 3
     assert pack(items, 10, False) == [[e] for e in items]
 

@@ -16,8 +16,7 @@ from conftest import ROOT, TEST_OVERRIDES, compare_steps, reference_step, torchr
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import load_config, validate
 from longsft.train.data.batching import collate
-from longsft.train.data.encoding import IGNORE, Encoded
-from longsft.train.data.schema import Sample
+from longsft.train.data.encoding import IGNORE, Encoded, Meta
 from longsft.train.parallel.backends import check_heads
 from longsft.train.parallel.distributed import ParallelDims
 from longsft.train.parallel.layout import shard_batch, zigzag_index
@@ -29,8 +28,7 @@ LAUNCH = str(ROOT / "launch" / "curriculum.py")
 def test_zigzag_layout_and_shard_batch():
     assert zigzag_index(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert zigzag_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
-    s = Sample("a", "en", "x", "y", 4, "t")
-    e = Encoded(s, list(range(100, 111)), [IGNORE] * 6 + list(range(5)), 6)  # 11 tokens: needs padding to 12
+    e = Encoded(Meta("a", "en", 4), list(range(100, 111)), 6)  # 11 tokens: needs padding to 12
     full = collate([e], pad_id=0)
     parts = [shard_batch(full, 3, r, pad_id=0) for r in range(3)]
     assert all(p["input_ids"].shape == (1, 4) for p in parts)

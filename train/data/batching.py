@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import torch
 
 from longsft.train.data.encoding import IGNORE, Encoded
@@ -24,7 +25,7 @@ def pack(items: list[Encoded], seq_len: int, enabled: bool) -> list[Row]:
         return [[e] for e in items]
     rows: list[Row] = []
     space: list[int] = []
-    for e in sorted(items, key=lambda e: (-len(e.input_ids), e.sample.id)):
+    for e in sorted(items, key=lambda e: (-len(e.input_ids), e.meta.id)):
         n = len(e.input_ids)
         j = next((i for i, free in enumerate(space) if free >= n), None)
         if j is None:
@@ -55,8 +56,9 @@ def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1) ->
         t = 0
         for j, e in enumerate(row):
             k = len(e.input_ids)
-            ids[i, t:t + k] = torch.tensor(e.input_ids)
-            shift[i, t:t + k - 1] = torch.tensor(e.labels[1:])
+            ids[i, t:t + k] = torch.from_numpy(np.asarray(e.input_ids, dtype=np.int64))
+            start = t + max(e.prompt_len, 1)  # the first answer token is the target of position start - 1
+            shift[i, start - 1:t + k - 1] = ids[i, start:t + k]
             pos[i, t:t + k] = torch.arange(k)
             docs[i, t:t + k] = j
             t += k

@@ -14,7 +14,6 @@ import torch
 
 from longsft.train.config import ModelConfig
 from longsft.train.data.batching import Row, StepSampler, collate
-from longsft.train.data.encoding import IGNORE
 from longsft.train.model.loss import backward_scale, token_loss_sum
 from longsft.train.parallel import comm
 from longsft.train.parallel.attention import active
@@ -23,8 +22,9 @@ from longsft.train.parallel.layout import layout, shard_batch
 
 
 def n_targets(row: Row) -> int:
-    """Loss tokens of one row: collate shifts labels per document, so a document's first label never counts."""
-    return sum(1 for e in row for x in e.labels[1:] if x != IGNORE)
+    """Loss tokens of one row: a document's answer tokens (collate shifts labels per document, so a
+    document's first token is never a target)."""
+    return sum(len(e.input_ids) - max(e.prompt_len, 1) for e in row)
 
 
 def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from longsft.eval.scoring.metrics import Item, score_items
@@ -41,14 +42,14 @@ def generate_judgements(engine, tokenizer, items: list[Encoded], d: Dist, max_ne
     rows = []
     for i, real in _shard(items, d):
         e = items[i]
-        ids = torch.tensor([e.input_ids[: e.prompt_len]], device=d.device)
+        ids = torch.from_numpy(np.asarray(e.input_ids[: e.prompt_len], dtype=np.int64))[None].to(d.device)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, use_cache=True, synced_gpus=d.world_size > 1,
                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         if real:
-            s = e.sample
+            s = e.meta
             rows.append({"id": s.id, "prediction": tokenizer.decode(out[0, e.prompt_len:], skip_special_tokens=True),
-                         "gold_score": s.gold_score, "bucket": s.bucket, "language": s.language, "types": s.types})
+                         "gold_score": s.gold_score, "bucket": s.bucket, "language": s.language, "types": list(s.types)})
     model.train()
     gathered = [r for part in all_gather_objects(rows) for r in part]
     return sorted(gathered, key=lambda r: r["id"])
