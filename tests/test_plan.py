@@ -13,6 +13,7 @@ from longsft.train import plan
 from longsft.train.cli import main as cli
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import load_config
+from longsft.train.data import token_cache
 
 # published parameter counts of the recipes' models
 PUBLISHED = {"qwen3_8b": 8.19e9, "qwen3_14b": 14.8e9, "qwen3_32b": 32.8e9, "llama3_1_8b": 8.03e9,
@@ -44,9 +45,11 @@ def test_terms_follow_the_recipe_switches():
     assert base.tokens_per_gpu == t
     # loss memory is one 1024-token chunk of bf16 logits, fp32 copy, log-softmax and gradient
     assert base.phases["loss"]["loss"] == 1024 * 151936 * (2 + 4 + 4 + 4)
-    # offloaded optimizer and parameters: no partitions on the GPU, 20 bytes per parameter on the host
+    # offloaded optimizer and parameters: no partitions on the GPU, 20 bytes per parameter on the host,
+    # beside the data a rank holds (its samples are not on this machine: the micro-batch only)
     assert base.resident["grads"] == base.resident["optimizer"] == 0
-    assert base.host_per_node == pytest.approx(8 * shape.params / 8 * (2 + 6 + 4 + 8))
+    assert base.samples is None and base.data_per_gpu == stage.seq_len * token_cache.HOST_BYTES_PER_BATCH_TOKEN
+    assert base.host_per_node == pytest.approx(8 * shape.params / 8 * (2 + 6 + 4 + 8) + 8 * base.data_per_gpu)
 
     def with_(*overrides):
         c = load_config("qwen3_8b", list(overrides))
@@ -55,7 +58,7 @@ def test_terms_follow_the_recipe_switches():
     on_gpu = with_("deepspeed.offload_optimizer=false", "deepspeed.offload_param=false")
     assert on_gpu.resident["params"] >= 2 * shape.params / 8
     assert on_gpu.resident["optimizer"] == pytest.approx((4 + 8) * shape.params / 8)
-    assert on_gpu.host_per_node == 0
+    assert on_gpu.host_per_node == 8 * on_gpu.data_per_gpu
     # tiling the MLP shrinks the traced layer working set; offloading activations moves the
     # checkpointed layer inputs (layers x tokens x hidden x 2 bytes) to the host
     tiled = with_("model.mlp_tile_tokens=1024")

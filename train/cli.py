@@ -17,6 +17,8 @@
     longsft serve model=PATH [port=8000]          OpenAI-compatible endpoint over the HF backend
     longsft constory generate|check|metrics ...   consistency of long generated stories (ConStory)
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
+    longsft data prepare recipe=NAME [key=value ...] [--workers N]
+                                                  tokenize every stage's data into the token cache once
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
     longsft data extend UNITS.jsonl --out DIR [--buckets 16k,32k,64k,100k] [--resume]
     longsft data erhg SAMPLES.jsonl --out F [--engine rules|llm --endpoint MODEL@URL]
@@ -48,9 +50,47 @@ from longsft.train.common.io import check_output_file
 from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_epilog, wants_help
 
 
+def _prepare(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="longsft data prepare", formatter_class=DefaultsHelp,
+                                 epilog=run_keys_epilog() if wants_help(argv) else None,
+                                 description="tokenize every stage's training and validation data into the token "
+                                             "cache (data.cache_dir) once, e.g. on a CPU node before the GPU job; "
+                                             "training and every resume then start from it")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                    help="processes that tokenize (default: this machine's cores)")
+    ap.add_argument("--json", default=None, help="also write one record per split to this file")
+    args, rest = ap.parse_known_args(argv)
+    cfg = parse_run_args(rest)
+    if args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: at least 1")
+    if args.json:
+        check_output_file(args.json)
+    from longsft.train.data.token_cache import prepare
+    from longsft.train.model.build import build_tokenizer
+    from longsft.train.training.curriculum import check_run_dir, prepare_data
+
+    tokenizer = build_tokenizer(cfg.model)
+    if cfg.data.source == "sample":  # the sample set lives in the run directory
+        check_run_dir(cfg)
+        prepare_data(cfg, tokenizer)
+    records = prepare(cfg, tokenizer, args.workers, log=lambda m: print(f"longsft: {m}", file=sys.stderr, flush=True))
+    for r in records:
+        print(f"{r['stage']:>12} {r['split']:<10} {r['samples']:>7} samples {r['tokens']:>13,} tokens  "
+              f"{r['what']}  {r['path']}")
+    if args.json:
+        from longsft.train.common.io import atomic_write_json
+
+        atomic_write_json(args.json, records)
+    return 0
+
+
 def _data(argv: list[str]) -> int:
+    if argv[:1] == ["prepare"]:
+        return _prepare(argv[1:])
     ap = argparse.ArgumentParser(prog="longsft data", formatter_class=DefaultsHelp)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("prepare", help="tokenize every stage's data into the token cache (recipe=NAME key=value ...; "
+                                   "see longsft data prepare --help)")
     s = sub.add_parser("sample", formatter_class=DefaultsHelp, help="write the deterministic offline sample set")
     s.add_argument("--out", required=True, help="output folder (BUCKET/train.jsonl, BUCKET/validation.jsonl)")
     s.add_argument("--buckets", default="512,1k,2k,4k", help="length buckets to write")

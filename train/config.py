@@ -67,7 +67,8 @@ class DataConfig:
     """Where samples come from. ``{bucket}`` and ``{split}`` are filled per stage."""
 
     # ``sample``: generate the deterministic offline sample set into <run_dir>/data (tiny recipe).
-    # ``files``: read ``train_file`` / ``validation_file``.
+    # ``files``: read ``train_file`` / ``validation_file``: JSONL, a JSON array, Parquet, a datasets
+    # save_to_disk folder (FOLDER#SPLIT for a DatasetDict) or hf:NAME[:CONFIG]#SPLIT from the local HF cache.
     source: Literal["sample", "files"] = "files"
     train_file: str = "data/{bucket}/train.jsonl"
     validation_file: str = "data/{bucket}/validation.jsonl"
@@ -77,6 +78,9 @@ class DataConfig:
     # Samples per language and bucket for ``source: sample``.
     sample_size: int = 16
     seed: int = 42
+    # Where tokenized stages are cached (one folder per fingerprint; see longsft.train.data.token_cache).
+    # None: $LONGSFT_CACHE/tokens, else ~/.cache/longsft/tokens. On several nodes: a filesystem they share.
+    cache_dir: str | None = None
 
 
 @dataclass

@@ -48,6 +48,7 @@ from longsft.train.common.compat import storage_id, torch_dispatch_mode, tree_le
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import read_json
 from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig
+from longsft.train.data.token_cache import host_bytes
 from longsft.train.model.build import build_hf_config, tile_mlps
 from longsft.train.training.engine import build_ds_config
 
@@ -121,6 +122,8 @@ class Estimate:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
     margins: dict[str, float] = field(default_factory=dict)  # not seen by max_memory_allocated
     host_per_node: float = 0.0
+    data_per_gpu: float = 0.0  # host memory of the samples a rank holds (in host_per_node)
+    samples: int | None = None  # in the stage's sources (None: not there yet, not counted)
     gpu_bytes: float = 0.0
 
     @property
@@ -439,7 +442,8 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
         e.margins = {"reserve": hw.reserve_gib * GIB,
                      "nccl": (hw.nccl_gib_per_communicator * GIB * communicators) if world > 1 else 0.0,
                      "fragmentation": hw.fragmentation * work}
-    e.host_per_node = host * hw.gpus_per_node
+    e.data_per_gpu, e.samples = host_bytes(cfg, stage)
+    e.host_per_node = (host + e.data_per_gpu) * hw.gpus_per_node
     return e
 
 
@@ -499,7 +503,11 @@ def table(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) -> s
         lines.append(f"| {e.stage} | {e.seq_len} | {e.tokens_per_gpu} | {cells} | {e.total / GIB:.1f} | "
                      f"{e.peak_phase} | {'yes' if e.fits else 'NO'} |")
     host = max(e.host_per_node for e in rows) / GIB
-    need = f"host memory per node: {host:.1f} GiB (offloaded optimizer, parameters, activations)"
+    data = max(rows, key=lambda e: e.data_per_gpu)
+    counted = (f"{data.samples} samples in stage {data.stage}" if all(e.samples is not None for e in rows) else
+               "samples of stages whose data is not there yet not counted")
+    need = (f"host memory per node: {host:.1f} GiB (offloaded optimizer, parameters, activations; token-cached "
+            f"data {data.data_per_gpu / 2**20:.1f} MiB per rank, {counted})")
     if hw.host_gib is not None:
         need += f" of {hw.host_gib:g} GiB: {'fits' if host <= hw.host_gib else 'DOES NOT FIT'}"
     lines += ["", need]
@@ -518,5 +526,5 @@ def to_json(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) ->
             "stages": [{"stage": e.stage, "seq_len": e.seq_len, "tokens_per_gpu": e.tokens_per_gpu,
                         "terms_bytes": e.terms, "peak_at": e.peak_phase, "phases_bytes": e.phases,
                         "margins_bytes": e.margins, "allocated_bytes": e.allocated, "total_bytes": e.total,
-                        "fits": e.fits,
-                        "host_bytes_per_node": e.host_per_node} for e in rows]}
+                        "fits": e.fits, "host_bytes_per_node": e.host_per_node,
+                        "data_bytes_per_gpu": e.data_per_gpu, "samples": e.samples} for e in rows]}

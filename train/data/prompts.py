@@ -6,6 +6,7 @@ be truncated in the middle without touching the summary.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import TYPE_CHECKING, Literal
 
@@ -40,6 +41,12 @@ _LABELS = {"en": ("Original text:", "Summary:"), "zh": ("原文：", "摘要："
 TRUNCATION_MARK = {"en": "\n[... middle of the text omitted ...]\n", "zh": "\n【……中间部分省略……】\n"}
 
 PromptVariant = Literal["end", "begin", "cot"]
+
+
+def template_digest() -> str:
+    """sha256 of every text a prompt or target is rendered from (a change re-tokenizes cached data)."""
+    texts = [TYPE_NAMES, _INSTRUCTION, _COT, _LABELS, TRUNCATION_MARK]
+    return hashlib.sha256(json.dumps(texts, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 def render_target(language: str, score: int, types: list[str], reason: str) -> str:

@@ -97,6 +97,11 @@ def ring_shift(tensors: list[torch.Tensor], ranks: Sequence[int], rank_index: in
     return recv
 
 
+def rank() -> int:
+    """This process's rank in the job (0 without a process group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -15,7 +15,7 @@ from typing import Any
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
-from longsft.train.data.schema import load_samples
+from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
 from longsft.train.model.build import build_hf_config, build_tokenizer
 from longsft.train.parallel import comm, distributed
@@ -23,10 +23,12 @@ from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
 from longsft.train.training.report import read_state, write_report
 from longsft.train.training.tracker import Tracker
-from longsft.train.training.trainer import StageTrainer, stage_files
+from longsft.train.training.trainer import StageTrainer
 
 RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
-PRE_RUN = {".lock", "STOP", "submit"}  # what longsft puts there before the run starts (lock, stop request, submit)
+# what longsft puts there before the run starts: lock, stop request, submit folder, and the sample set
+# that `longsft data prepare` writes for data.source=sample
+PRE_RUN = {".lock", "STOP", "submit", "data"}
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -169,13 +171,8 @@ def check_model(cfg: RunConfig) -> None:
                           "(with model.loss_chunk_tokens) on this machine")
 
 
-def check_data(cfg: RunConfig) -> None:
-    """Parse every stage's data files up front so a bad line fails before hours of training."""
-    for stage in cfg.stages:
-        train, val = stage_files(cfg, stage)
-        load_samples(train)
-        if stage.validate:
-            load_samples(val)
+def _say(message: str) -> None:
+    print(f"longsft: {message}", file=sys.stderr, flush=True)
 
 
 def run(cfg: RunConfig) -> dict:
@@ -184,8 +181,14 @@ def run(cfg: RunConfig) -> dict:
     check_run_dir(cfg)
     check_model(cfg)
     d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one to read
+    tokenizer = build_tokenizer(cfg.model)
     if cfg.data.source == "files":
-        check_data(cfg)  # every rank, before the run directory is touched: bad data fails everywhere
+        # every stage's data checked and tokenized (or found in the cache) before the run directory
+        # is touched: a bad row fails every rank, before hours of training
+        ensure_all(cfg, tokenizer, log=_say if d.is_main else None)
     run_dir = cfg.run_path
     replace_config = check_resolved_config(cfg)  # every rank: a mismatch fails everywhere, not at a barrier
     d.barrier()
@@ -206,15 +209,11 @@ def run(cfg: RunConfig) -> dict:
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
     d.barrier()
     state = load_state(cfg)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress bar is the one to read
-    tokenizer = build_tokenizer(cfg.model)
     if d.is_main:
         prepare_data(cfg, tokenizer)
     d.barrier()
     if cfg.data.source == "sample":
-        check_data(cfg)
+        ensure_all(cfg, tokenizer, log=_say if d.is_main else None)
     tracker = Tracker(run_dir, cfg.logging, d.is_main, to_dict(cfg))
 
     def save() -> None:

@@ -5,16 +5,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import write_jsonl
-from longsft.train.config import RunConfig, StageConfig
+from longsft.train.config import RunConfig
 from longsft.train.data.batching import StepSampler, pack
-from longsft.train.data.encoding import encode_all
-from longsft.train.data.schema import load_samples
+from longsft.train.data.encoding import EncodeStats
+from longsft.train.data.token_cache import stage_data, stage_files
 from longsft.train.model.build import build_hf_config, build_model
 from longsft.train.parallel.distributed import Dist
 from longsft.train.training import checkpoint
@@ -31,15 +30,6 @@ class TrainingError(RuntimeError):
 
 class SaveError(TrainingError):
     """A checkpoint could not be written (disk full, quota...); raised by the rank that failed."""
-
-
-def stage_files(cfg: RunConfig, stage: StageConfig) -> tuple[Path, Path]:
-    """(train, validation) JSONL of ``stage``: the sample set in the run dir, or the recipe's files."""
-    if cfg.data.source == "sample":
-        root = cfg.run_path / "data" / stage.bucket
-        return root / "train.jsonl", root / "validation.jsonl"
-    return (Path(cfg.data.train_file.format(bucket=stage.bucket, split="train")),
-            Path(cfg.data.validation_file.format(bucket=stage.bucket, split="validation")))
 
 
 class StageTrainer:
@@ -64,16 +54,14 @@ class StageTrainer:
         self._engine()
 
     def _data(self) -> None:
+        """The stage's token caches (built once, memory-mapped); this rank reads only its batches' rows."""
         st, cfg = self.stage, self.cfg
+        t0 = time.time()
+        train, val = stage_data(cfg, st, self.tok)
+        self.train = pack(train.items, st.seq_len, cfg.data.packing)
+        tstats, (self.val, vstats) = train.stats, ([], EncodeStats()) if val is None else val.first(
+            cfg.validation.max_samples)
         train_path, val_path = stage_files(cfg, st)
-        encoded, tstats = encode_all(load_samples(train_path), self.tok, st.seq_len, cfg.data.prompt, st.overflow)
-        self.train = pack(encoded, st.seq_len, cfg.data.packing)
-        val = load_samples(val_path) if st.validate else []
-        if cfg.validation.max_samples:
-            val = val[: cfg.validation.max_samples]
-        # Validation prompts must leave room for the generated judgement.
-        self.val, vstats = encode_all(val, self.tok, st.seq_len - cfg.validation.max_new_tokens, cfg.data.prompt,
-                                      st.overflow)
         o = cfg.optim
         self.sampler = StepSampler(len(self.train), self.d.dims.dp_size, self.d.dp_rank, o.micro_batch_size,
                                    o.grad_accum, cfg.seed)
@@ -93,7 +81,8 @@ class StageTrainer:
         packed = f" in {len(self.train)} packed rows" if cfg.data.packing else ""
         self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples{packed} "
                            f"({tstats.truncated} truncated, {tstats.skipped} skipped; policy={st.overflow}), "
-                           f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}")
+                           f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}; data ready in "
+                           f"{time.time() - t0:.1f} s (token cache {train.path.parent})")
 
     def _engine(self) -> None:
         from transformers.integrations import HfDeepSpeedConfig
@@ -101,7 +90,7 @@ class StageTrainer:
         hidden = build_hf_config(self.cfg.model, self.init_from).hidden_size
         self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
         # Alive while the model is built: ZeRO-3 partitions weights as they load.
-        self._hf_ds = HfDeepSpeedConfig(self.ds_config)  # noqa: F841
+        self._hf_ds = HfDeepSpeedConfig(self.ds_config)
         model = build_model(self.cfg.model, self.init_from, self.cfg.seed, self.d.dims.sp_size, self.cfg.data.packing)
         self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps)
 
