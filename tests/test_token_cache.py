@@ -111,11 +111,13 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, tokenizer, sample_dir
     assert again == folder and what.startswith("rebuilt") and why in what, what
     _same(TokenCache.open(folder).items, good)
     assert _entries(tmp_path) == [folder.name]  # no temporary folder left
+    [aside] = tmp_path.glob(f".damaged-{folder.name}-*")  # set aside, not deleted: a job may have it mapped
+    assert aside.is_dir()
 
 
 def _entries(root):
     """The cache folders (and leftovers) under ``root``, without the builders' lock files."""
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".lock-"))
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith((".lock-", ".damaged-")))
 
 
 def test_a_killed_builders_leftover_is_removed_and_builders_take_turns(tmp_path, tokenizer, sample_dir):
@@ -204,8 +206,18 @@ def test_a_dataset_in_the_local_hugging_face_cache_is_read_offline(tmp_path, sam
         load_samples("hf:someorg/longnovel")
 
 
-def test_a_pool_of_workers_builds_the_same_cache(tmp_path, tokenizer, sample_dir):
+@pytest.mark.parametrize("form", ["jsonl", "parquet", "json"])
+def test_a_pool_of_workers_builds_the_same_cache(tmp_path, tokenizer, sample_dir, form):
+    import datasets
+
     path = sample_dir / "1k" / "train.jsonl"
+    if form != "jsonl":  # the source travels to spawned workers: a Parquet table is reopened there
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        path = tmp_path / f"train.{form}"
+        if form == "json":
+            path.write_text(json.dumps(recs, ensure_ascii=False))
+        else:
+            datasets.Dataset.from_list(recs).to_parquet(str(path))
     split = Split(str(path), 1024, "end", "truncate")
     source = token_cache.open_source(path)
     inputs = token_cache.fingerprint_inputs(split, source, tokenizer)
@@ -214,6 +226,30 @@ def test_a_pool_of_workers_builds_the_same_cache(tmp_path, tokenizer, sample_dir
     assert m["workers"] == 2
     for name in token_cache.FILES:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_source_edges(tmp_path, tokenizer):
+    import datasets
+
+    rec = {"id": "a", "language": "en", "article": "A tale.", "summary": "A.", "gold_score": 4}
+    folder = tmp_path / "#1"  # a '#' in a name is part of the name
+    folder.mkdir()
+    jsonl = folder / "t.jsonl"
+    blank = " " * 20 + "\n\u3000\n\r\n"  # blank lines, long or Unicode, are skipped as before
+    jsonl.write_text(blank + json.dumps(rec) + "\n" + blank + json.dumps({**rec, "id": "b"}))  # no final newline
+    assert [s.id for s in load_samples(jsonl)] == ["a", "b"]
+    with pytest.raises(DataError, match=r"t.jsonl:8: duplicate id 'a' \(also at .*t.jsonl:4\)"):
+        jsonl.write_text(blank + json.dumps(rec) + "\n" + blank + json.dumps(rec) + "\n")
+        load_samples(jsonl)
+    datasets.Dataset.from_list([rec]).save_to_disk(str(tmp_path / "one"))
+    with pytest.raises(DataError, match="one#test: a single dataset, not a DatasetDict: drop '#test'"):
+        load_samples(f"{tmp_path}/one#test")
+    with pytest.raises(DataError, match="'#train' selects a split of a save_to_disk folder"):
+        load_samples(f"{jsonl}#train")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(DataError, match="empty.jsonl: no samples"):
+        ensure(Split(str(empty), 512, "end", "truncate"), tokenizer, tmp_path / "c")
 
 
 def test_data_prepare_builds_every_stage_once(tmp_path, capsys):
@@ -231,24 +267,34 @@ def test_data_prepare_builds_every_stage_once(tmp_path, capsys):
     assert len(_entries(tmp_path / "cache")) == 3
 
 
-def test_a_bad_row_fails_both_ranks_before_the_run_directory_is_made(tmp_path):
-    """Rank 0 checks and builds while rank 1 waits; both stop with rank 0's error, no hang."""
+@pytest.mark.parametrize("fault", ["bad-row", "cache-dir-is-a-file"])
+def test_rank_0s_failure_stops_both_ranks_before_the_run_directory_is_made(tmp_path, fault):
+    """Rank 0 checks and builds while rank 1 waits; both stop at once with rank 0's error (no hang)."""
     data = tmp_path / "d" / "512"
     data.mkdir(parents=True)
     good = [json.dumps({"id": f"a{i}", "language": "en", "article": "A tale.", "summary": "A.", "gold_score": 4})
             for i in range(4)]
     bad = good[0].replace('"a0", "language": "en"', '"b", "language": "fr"')
-    (data / "train.jsonl").write_text("\n".join(good[:2] + [bad] + good[2:]) + "\n")
+    (data / "train.jsonl").write_text("\n".join(good[:2] + [bad if fault == "bad-row" else good[3]] + good[:2]
+                                                ).replace('"a3"', '"a9"') + "\n")
     (data / "validation.jsonl").write_text("\n".join(good) + "\n")
+    cache = tmp_path / "c"
+    if fault == "cache-dir-is-a-file":
+        cache.write_text("not a folder")
     r = torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={tmp_path / 'run'}",
                   "data.source=files", f"data.train_file={tmp_path}/d/{{bucket}}/train.jsonl",
-                  f"data.validation_file={tmp_path}/d/{{bucket}}/validation.jsonl", f"data.cache_dir={tmp_path / 'c'}",
+                  f"data.validation_file={tmp_path}/d/{{bucket}}/validation.jsonl", f"data.cache_dir={cache}",
                   "logging.progress=false", "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"],
                  nproc=2, check=False, timeout=300)
-    assert r.returncode != 0
-    assert r.stderr.count(f"{data / 'train.jsonl'}:3: unknown language 'fr'") == 1, r.stderr[-3000:]  # said once
-    assert sorted(re.findall(r"rank\s+: (\d) .*\n\s+exitcode\s+: 2 ", r.stderr)) == ["0", "1"]  # both ranks: bad input
-    assert not (tmp_path / "run").exists() and _entries(tmp_path / "c") == []
+    message = (f"{data / 'train.jsonl'}:3: unknown language 'fr'" if fault == "bad-row" else
+               f"token cache folder {cache}: cannot make it (File exists); set data.cache_dir")
+    assert r.stderr.count(message) == 1, r.stderr[-3000:]  # said once
+    # rank 0 exits 2 (bad input), and torchrun stops rank 1 (or it exits 2 too). A rank left waiting
+    # would hang the launch past the timeout of 300 s.
+    assert "0" in re.findall(r"rank\s+: (\d) .*\n\s+exitcode\s+: 2 ", r.stderr), r.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
+    if fault == "bad-row":
+        assert _entries(cache) == []
 
 
 def test_the_planner_counts_the_samples_a_rank_holds(sample_dir):

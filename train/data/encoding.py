@@ -80,7 +80,8 @@ def _turns(tokenizer, text: str, answer: str) -> tuple[list[int], list[int]]:
     user = [{"role": "user", "content": text}]
     p_text, f_text = _render(tokenizer, user, True), _render(tokenizer, user + [{"role": "assistant", "content": answer}], False)
     full = _ids(tokenizer, f_text)
-    cut = _special_starts(tokenizer, p_text) if f_text.startswith(p_text) else -1
+    split_specials = not getattr(tokenizer, "split_special_tokens", False)  # else specials are plain text
+    cut = _special_starts(tokenizer, p_text) if split_specials and f_text.startswith(p_text) else -1
     if cut > 0:
         p_tail, f_tail = _ids(tokenizer, p_text[cut:]), _ids(tokenizer, f_text[cut:])
         head = len(full) - len(f_tail)

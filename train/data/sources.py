@@ -67,18 +67,19 @@ class JsonlSource(Source):
             if size == 0:
                 self.starts = self.ends = self.lines = np.zeros(0, dtype=np.int64)
                 return
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:  # in blocks: no file-sized temporary
-                nl = np.concatenate([np.flatnonzero(np.frombuffer(m, np.uint8, min(BLOCK, size - a), a) == 10) + a
-                                     for a in range(0, size, BLOCK)])
-        ends = np.append(nl, size) if (nl.size == 0 or nl[-1] != size - 1) else nl
-        starts = np.concatenate([[0], ends[:-1] + 1])
-        self.lines = np.arange(1, len(starts) + 1)
-        keep = ends > starts  # empty lines; whitespace-only ones are dropped below
-        with self.path.open("rb") as f:
-            for j in np.flatnonzero(keep & (ends - starts < 16)):
-                f.seek(starts[j])
-                keep[j] = bool(f.read(ends[j] - starts[j]).strip())
-        self.starts, self.ends, self.lines = starts[keep], ends[keep], self.lines[keep]
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with m:  # line ends found in blocks: no file-sized temporary
+            nl = np.concatenate([np.flatnonzero(np.frombuffer(m, np.uint8, min(BLOCK, size - a), a) == 10) + a
+                                 for a in range(0, size, BLOCK)])
+            ends = np.append(nl, size) if (nl.size == 0 or nl[-1] != size - 1) else nl
+            starts = np.concatenate([[0], ends[:-1] + 1])
+            lines = np.arange(1, len(starts) + 1)
+            keep = ends > starts
+            # a record starts with "{": any other line may be blank (spaces, \r, U+3000), skipped as before
+            first = np.frombuffer(m, np.uint8)[np.minimum(starts, size - 1)]
+            for j in np.flatnonzero(keep & (first != ord("{"))):
+                keep[j] = bool(m[starts[j]:ends[j]].decode("utf-8", errors="replace").strip())
+        self.starts, self.ends, self.lines = starts[keep], ends[keep], lines[keep]
         self._fh = None
 
     def __len__(self) -> int:
@@ -107,25 +108,48 @@ class JsonlSource(Source):
 
 
 class RowsSource(Source):
-    """Rows of a table-like object: a JSON array, a Parquet table or a ``datasets.Dataset``."""
+    """Rows of a list (a JSON array) or a ``datasets.Dataset`` (memory-mapped: pickles by its files)."""
 
-    def __init__(self, name: str, rows, files: list[Path], get=None):
+    def __init__(self, name: str, rows, files: list[Path]):
         self.name, self._rows, self._files = name, rows, files
-        self._get = get or (lambda rows, i: rows[i])
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def get(self, i: int) -> tuple[str, dict]:
         where = f"{self.name}: row {i + 1}"
-        return where, self._record(self._get(self._rows, i), where)
+        return where, self._record(self._row(i), where)
+
+    def _row(self, i: int):
+        return self._rows[i]
 
     def files(self) -> list[Path]:
         return self._files
 
 
-def _parquet_row(table, i: int) -> dict:
-    return table.slice(i, 1).to_pylist()[0]
+class ParquetSource(RowsSource):
+    """A Parquet file, memory-mapped; a worker process reopens it rather than receive the table."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path), self._open(path), [path])
+
+    @staticmethod
+    def _open(path: Path):
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path, memory_map=True)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_rows"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _rows=self._open(state["_files"][0]))
+
+    def _row(self, i: int) -> dict:
+        return self._rows.slice(i, 1).to_pylist()[0]
 
 
 def _json_source(path: Path) -> Source:
@@ -146,6 +170,8 @@ def _dataset_source(name: str, ds, split: str | None) -> Source:
         if split is None or split not in ds:
             raise DataError(f"{name}: holds splits {sorted(ds)}; name one as {name.split('#')[0]}#SPLIT")
         ds = ds[split]
+    elif split is not None:
+        raise DataError(f"{name}: a single dataset, not a DatasetDict: drop '#{split}'")
     files = sorted({Path(f["filename"]) for f in ds.cache_files})
     if not files:
         raise DataError(f"{name}: an in-memory dataset without files; save it with save_to_disk first")
@@ -157,8 +183,9 @@ def open_source(spec: str | Path) -> Source:
     text = str(spec)
     if text.startswith("hf:"):
         return _hub_source(text)
-    path, _, split = text.partition("#")
-    p = Path(path)
+    # FOLDER#SPLIT, unless the whole text names a file or folder ('#' may be part of a name)
+    path, _, split = ("", "", "") if Path(text).exists() else text.rpartition("#")
+    p = Path(path or text)
     if p.is_dir():
         import datasets
 
@@ -168,15 +195,11 @@ def open_source(spec: str | Path) -> Source:
             raise DataError(f"{p}: a folder, but not one written by datasets' save_to_disk ({e})") from None
         return _dataset_source(text, ds, split or None)
     p = check_input_file(p)
+    if split:
+        raise DataError(f"{text}: '#{split}' selects a split of a save_to_disk folder; {p} is a file")
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            table = pq.read_table(p, memory_map=True)
-        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
-            raise DataError(f"{p}: not a readable Parquet file ({e})") from None
-        return RowsSource(str(p), table, [p], _parquet_row)
+        return ParquetSource(p)
     if suffix == ".json":
         return _json_source(p)
     return JsonlSource(p)
@@ -197,6 +220,14 @@ def _hub_source(text: str) -> Source:
         raise DataError(f"{text}: not in the local Hugging Face datasets cache ({str(e).splitlines()[0]}); "
                         "load it once on a machine with network, or save it with save_to_disk") from None
     return _dataset_source(text, ds, None)
+
+
+def selector(spec: str | Path) -> str:
+    """What picks the rows out of the source's files (a split, a dataset name): part of the cache key."""
+    text = str(spec)
+    if text.startswith("hf:"):
+        return text
+    return "" if Path(text).exists() else text.rpartition("#")[2]
 
 
 def source_rows(spec: str | Path) -> int:

@@ -17,6 +17,7 @@ Nothing is unpickled: the index is read with ``allow_pickle=False``, the rest is
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import hashlib
@@ -28,6 +29,7 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +40,7 @@ from longsft.train.config import RunConfig, StageConfig
 from longsft.train.data.encoding import ENCODING_VERSION, Encoded, EncodeStats, Meta, encode
 from longsft.train.data.prompts import template_digest
 from longsft.train.data.schema import check_unique, read_sample
-from longsft.train.data.sources import Source, open_source
+from longsft.train.data.sources import Source, open_source, selector
 from longsft.train.parallel import comm
 
 FILES = ("tokens.bin", "index.npy", "meta.jsonl")
@@ -89,12 +91,17 @@ def tokenizer_digest(tokenizer) -> str:
     """sha256 of the tokenizer's full definition (vocabulary, merges, added tokens) and chat template."""
     template = json.dumps([tokenizer.chat_template, tokenizer.eos_token_id], sort_keys=True)
     if tokenizer not in _VOCAB_DIGESTS:  # an object's vocabulary does not change; its template may
-        _VOCAB_DIGESTS[tokenizer] = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        definition = backend.to_str() if backend is not None else json.dumps(  # a slow (Python) tokenizer
+            [sorted(tokenizer.get_vocab().items()), str(tokenizer.added_tokens_decoder), tokenizer.init_kwargs],
+            default=str)
+        _VOCAB_DIGESTS[tokenizer] = hashlib.sha256(definition.encode()).hexdigest()
     return hashlib.sha256((_VOCAB_DIGESTS[tokenizer] + template).encode()).hexdigest()
 
 
 def fingerprint_inputs(split: Split, src: Source, tokenizer) -> dict:
     return {"encoding_version": ENCODING_VERSION, "source": split.source, "source_sha256": src.digest(),
+            "source_selector": selector(split.source), "source_rows": len(src),
             "tokenizer_sha256": tokenizer_digest(tokenizer), "prompt_texts_sha256": template_digest(),
             "prompt": split.prompt, "seq_len": split.seq_len, "overflow": split.overflow}
 
@@ -143,8 +150,23 @@ class TokenCache:
         return keep, st
 
 
+class CacheUnreadable(ConfigError):
+    """The cache's files cannot be read (an I/O error, permissions): neither used nor removed."""
+
+
 def verify(path: Path) -> str | None:
-    """Why the cache at ``path`` cannot be used (None: it is whole and matches its checksums)."""
+    """Why the cache at ``path`` cannot be used (None: it is whole and matches its checksums).
+
+    An I/O error other than a missing file raises :class:`CacheUnreadable`: the folder may be fine.
+    """
+    try:
+        return _check(path)
+    except OSError as e:
+        raise CacheUnreadable(f"token cache {path}: cannot read it ({e}); fix the filesystem or set "
+                              "data.cache_dir elsewhere") from None
+
+
+def _check(path: Path) -> str | None:
     try:
         manifest = json.loads((path / "manifest.json").read_text())
         for name in FILES:
@@ -156,9 +178,10 @@ def verify(path: Path) -> str | None:
                 return f"{name} does not match its checksum"
     except FileNotFoundError as e:
         return f"{Path(e.filename).name} is missing"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         return f"unreadable manifest ({e})"
     return None
+
 
 
 # --------------------------------------------------------------------------- building
@@ -203,6 +226,8 @@ def build(split: Split, source: Source, tokenizer, dest: Path, inputs: dict, wor
 
     A bad row raises a DataError naming it, and nothing is left behind.
     """
+    if len(source) == 0:
+        raise DataError(f"{split.source}: no samples")
     tmp = dest.parent / f".tmp-{dest.name}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir(parents=True)  # beside dest: the final rename stays on one filesystem
     t0 = time.time()
@@ -259,10 +284,18 @@ def _encoded_parts(split: Split, source: Source, tokenizer, workers: int):
         yield from map(_encode_rows, chunks)
         return
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
 
-    # spawn, not fork: the parent may hold torch and process-group threads
-    with mp.get_context("spawn").Pool(workers, _init_worker, (source, tokenizer, split)) as pool:
-        yield from pool.imap(_encode_rows, chunks)
+    # spawn, not fork: the parent may hold torch and process-group threads. A worker that dies (the
+    # OOM killer) fails the build (BrokenProcessPool) instead of leaving it waiting.
+    with ProcessPoolExecutor(workers, mp.get_context("spawn"), _init_worker, (source, tokenizer, split)) as pool:
+        ahead = collections.deque()  # a few chunks in flight: results do not pile up in memory
+        for chunk in chunks:
+            ahead.append(pool.submit(_encode_rows, chunk))
+            if len(ahead) >= 2 * workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
 
 
 def _progress_bar(total: int, what: str):
@@ -301,14 +334,18 @@ def ensure(split: Split, tokenizer, root: Path, workers: int = 1, progress: bool
         return _VERIFIED[memo], "found"
     inputs = fingerprint_inputs(split, source, tokenizer)
     path = root / fingerprint(inputs)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"token cache folder {root}: cannot make it ({e.strerror}); set data.cache_dir to a "
+                          "folder this job may write") from None
     # one builder per cache: jobs sharing data.cache_dir (a sweep's tasks) wait, then find it built
     with _locked(root / f".lock-{path.name}"):
         what = "found"
         if path.exists():
             why = verify(path)
-            if why is not None:
-                shutil.rmtree(path)
+            if why is not None:  # set aside, not deleted: another job may still have it mapped
+                path.rename(root / f".damaged-{path.name}-{uuid.uuid4().hex[:8]}")
                 what = f"rebuilt: the cache was damaged ({why})"
         else:
             what = "built"
@@ -348,7 +385,9 @@ def ensure_all(cfg: RunConfig, tokenizer, stages: list[StageConfig] | None = Non
     same DataError, before any training. Returns split -> cache folder, on every rank."""
     splits = [s for st in (stages or cfg.stages) for s in stage_splits(cfg, st) if s is not None]
     root = cache_root(cfg)
-    result: tuple[dict | None, str | None] = (None, None)
+    group = _waiting_group()  # before rank 0 starts: creating a group is itself a collective
+    result: tuple = (None, None)
+    failure: BaseException | None = None
     if not comm.active() or comm.rank() == 0:
         try:
             paths = {}
@@ -358,17 +397,41 @@ def ensure_all(cfg: RunConfig, tokenizer, stages: list[StageConfig] | None = Non
                     log(f"{s.source}: {what}")
             result = (paths, None)
         except (DataError, ConfigError) as e:
-            result = (None, f"{type(e).__name__}:{e}")
-    paths, error = comm.broadcast_object(result)
+            result = (None, (type(e).__name__, (str(e),)))
+        except OSError as e:  # disk full, permissions: the same error on every rank
+            failure, result = e, (None, ("OSError", (e.errno, e.strerror, e.filename)))
+        except BaseException as e:  # noqa: BLE001 (re-raised below): the waiting ranks must not wait for ever
+            why = f"rank 0 could not prepare the token cache: {type(e).__name__}: {e}"
+            failure, result = e, (None, ("RuntimeError", (why,)))
+    paths, error = comm.broadcast_object(result, group=group)
+    if failure is not None:
+        raise failure
     if error is not None:
-        kind, _, message = error.partition(":")
-        raise (DataError if kind == "DataError" else ConfigError)(message)
+        if comm.rank() != 0:  # rank 0 reports the error: let it, as torchrun stops every rank at the first exit
+            time.sleep(1.0)
+        kind, args = error
+        raise {"DataError": DataError, "ConfigError": ConfigError, "OSError": OSError}.get(kind, RuntimeError)(*args)
     missing = [str(p) for p in paths.values() if not (p / "manifest.json").exists()]
     if any(comm.all_gather_objects(bool(missing))):
         raise ConfigError(f"the token cache {root} is not visible on every node ({missing[:1] or 'see rank 0'} is "
                           "missing on some): set data.cache_dir to a filesystem all nodes share, or run "
                           "`longsft data prepare` on each node first")
     return paths
+
+
+_WAIT_GROUP: list = []
+
+
+def _waiting_group():
+    """A gloo group whose timeout outlasts a long build (the default group's is 30 minutes; on GPUs it
+    is NCCL's watchdog). Created by every rank at its first call; None without a process group."""
+    if not comm.active():
+        return None
+    if not _WAIT_GROUP:
+        import torch.distributed as dist
+
+        _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=timedelta(hours=24)))
+    return _WAIT_GROUP[0]
 
 
 # Host memory of the data a rank holds (bench/data_cache.py measures both): per sample, the index

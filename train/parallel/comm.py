@@ -117,9 +117,11 @@ def all_gather_objects(obj: object) -> list:
     return out
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
+def broadcast_object(obj: object, src: int = 0, group=None) -> object:
+    """``obj`` of rank ``src`` on every rank (pickled between the job's own ranks only). A gloo
+    ``group`` carries it on the CPU; the default group's backend decides otherwise."""
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
