@@ -38,6 +38,18 @@ def test_paper_recipes_carry_the_paper_settings():
     assert load_config("glm4_9b").model.rope_scaling is None
 
 
+def test_yaml_1_2_floats_are_numbers(tmp_path):
+    """YAML 1.1 reads 1e-6 as a string; a model config passes it to the model's constructor."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("base: tiny\nmodel:\n  config:\n    rms_norm_eps: 1e-6\n    rope_theta: 1E+6\n"
+                      "    name: 1e-6x\n    version: '1e-6'\n")
+    cfg = load_config(str(recipe), ["model.config.initializer_range=2e-2", "optim.lr=-3e-5"])
+    c = cfg.model.config
+    assert (c["rms_norm_eps"], c["rope_theta"], c["initializer_range"]) == (1e-6, 1e6, 2e-2)
+    assert all(isinstance(c[k], float) for k in ("rms_norm_eps", "rope_theta", "initializer_range"))
+    assert (c["name"], c["version"], cfg.optim.lr) == ("1e-6x", "1e-6", -3e-5)  # not numbers stay text
+
+
 def test_overrides_nested_and_list_items():
     cfg = load_config("tiny", ["optim.lr=1e-5", "stages.1.seq_len=8192", "model.config.hidden_size=32",
                                "logging.wandb=true", "optim.betas=[0.8, 0.9]"])

@@ -216,14 +216,28 @@ def load_config(recipe: str, overrides: list[str] = ()) -> RunConfig:
     return build(RunConfig, raw, where=where)
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's YAML 1.1, plus YAML 1.2's floats: ``1e-6`` is a number (1.1 reads it as a string,
+    which a model config would pass on to the model's constructor)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+                              list("-+0123456789."))
+
+
+def load_yaml(text: str):
+    """A recipe or an override value (see :class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # a SafeLoader subclass: no Python objects
+
+
 def _load_recipe(path: Path, seen: tuple) -> tuple[dict, dict[str, str]]:
     """YAML mapping + {dotted key: 'file:line'}; ``base: NAME`` is loaded first and merged under."""
     if path in seen:
         raise ConfigError(f"{path}: circular base chain {[str(p) for p in seen]}")
     try:
         text = read_text(path)
-        raw = yaml.safe_load(text) or {}
-        lines = _line_map(yaml.compose(text))
+        raw = load_yaml(text) or {}
+        lines = _line_map(yaml.compose(text, Loader=_Loader))
     except (yaml.YAMLError, DataError) as e:
         raise ConfigError(f"{path}: invalid YAML: {e}" if isinstance(e, yaml.YAMLError) else str(e)) from None
     except RecursionError:
@@ -269,7 +283,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = load_yaml(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value
     return key, parsed
