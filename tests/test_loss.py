@@ -68,6 +68,29 @@ def test_token_loss_sum_equals_full_logits_cross_entropy(tiny_model_dir, sample_
         assert n == count and got.item() == pytest.approx(want.item(), rel=1e-5), kw
 
 
+def test_the_chunked_loss_caps_logits_as_the_model_does():
+    """Gemma-2's forward caps its logits (final_logit_softcapping): the chunked head must too."""
+    import torch.nn.functional as F
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+                       attn_implementation="eager")
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (1, 24))
+    labels = torch.full_like(ids, -100)
+    labels[0, 10:23] = ids[0, 11:24]
+    batch = {"input_ids": ids, "position_ids": torch.arange(24)[None], "shift_labels": labels,
+             "attention_mask": torch.ones_like(ids)}
+    logits = model(input_ids=ids).logits[0]  # capped by the model: |logit| < 0.5
+    assert logits.abs().max() < 0.5
+    want = F.cross_entropy(logits[10:23], ids[0, 11:24], reduction="sum")
+    for kw in ({}, {"chunk_tokens": 4}):
+        got, n = token_loss_sum(model, batch, **kw)
+        assert n == 13 and got.item() == pytest.approx(want.item(), rel=1e-5), kw
+
+
 def test_negative_chunk_is_refused():
     from longsft.train.common.errors import ConfigError
     from longsft.train.config import load_config, validate

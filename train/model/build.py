@@ -158,6 +158,44 @@ def tile_mlps(model, tile: int) -> None:
         mlp.forward = forward
 
 
+# rope types whose frequencies follow the largest position a forward sees: under sequence
+# parallelism each rank sees a different one (its zigzag shard), so ranks would rotate differently
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def attention_quirks(hf) -> list[str]:
+    """What the model's attention does beyond causal softmax attention (sliding windows, logit
+    softcapping) or position-dependent rope: the sequence-parallel attention does none of them."""
+    quirks = []
+    window, types = getattr(hf, "sliding_window", None), getattr(hf, "layer_types", None)
+    if window and (("sliding_attention" in types) if types else getattr(hf, "use_sliding_window", True)):
+        quirks.append(f"sliding_window={window} (set model.config.sliding_window=null for full attention in "
+                      "every layer)" if not types else f"sliding_window={window} on its sliding_attention layers")
+    if getattr(hf, "attn_logit_softcapping", None):
+        quirks.append(f"attn_logit_softcapping={hf.attn_logit_softcapping}")
+    rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    for params in (rope.values() if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]):
+        kind = params.get("rope_type") or params.get("type")
+        if kind in POSITION_DEPENDENT_ROPE:
+            quirks.append(f"rope_type={kind} (frequencies from the largest position each rank sees; a static "
+                          "rope such as yarn or linear is the same on every rank)")
+    return list(dict.fromkeys(quirks))
+
+
+def check_attention_quirks(hf, sp_size: int, packing: bool) -> None:
+    """Refuse, before any training, a model whose attention longsft's sequence-parallel or packed
+    attention would compute differently from the model's own (``attention_quirks``)."""
+    if sp_size <= 1 and not packing:
+        return
+    quirks = [q for q in attention_quirks(hf) if sp_size > 1 or not q.startswith("rope_type")]
+    if quirks:
+        why = "parallel.sp_size>1" if sp_size > 1 else "data.packing=true"
+        raise ConfigError(f"model type {hf.model_type}: with {why} longsft's attention would train a different model "
+                          f"than this config describes: it does not apply {'; '.join(quirks)}. Change the config as "
+                          f"said, or train with parallel.sp_size=1{' and data.packing=false' if packing else ''} "
+                          "(the model's own attention)")
+
+
 def check_attention_routable(model, cfg: ModelConfig) -> None:
     """Refuse modelling code whose attention does not go through transformers' registry.
 

@@ -78,16 +78,28 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
             if kernel == "liger":
                 loss = fused_head_loss(base)(hidden, targets[keep])
             else:
-                loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[keep], chunk_tokens)
+                loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[keep], chunk_tokens,
+                                             logit_softcap(base))
     return loss, int(keep.sum())
 
 
+def logit_softcap(model) -> float | None:
+    """The cap the model's own forward puts on its logits (Gemma-2: ``final_logit_softcapping``), or None."""
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None) or None
+
+
 def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                          chunk: int) -> torch.Tensor:
-    """sum CE(head(hidden), targets) computed ``chunk`` rows at a time; hidden [n, H], targets [n]."""
+                          chunk: int, softcap: float | None = None) -> torch.Tensor:
+    """sum CE(head(hidden), targets) computed ``chunk`` rows at a time; hidden [n, H], targets [n].
+
+    ``softcap``: logits become ``softcap * tanh(logits / softcap)`` first, as the model's forward does.
+    """
 
     def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(head(h).float(), t, reduction="sum")
+        logits = head(h).float()  # [chunk, vocab]
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        return F.cross_entropy(logits, t, reduction="sum")
 
     n = hidden.shape[0]
     # Every rank calls the head equally often (empty chunks where it has fewer targets): under ZeRO-3

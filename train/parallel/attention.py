@@ -73,6 +73,10 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
                                       **kwargs)
     if dropout:
         raise ValueError("sequence-parallel attention does not support attention dropout")
+    for quirk in ("sliding_window", "softcap"):  # what the layer asks for and the ring would not do
+        if kwargs.get(quirk):
+            raise ValueError(f"{type(module).__name__} asks for {quirk}={kwargs[quirk]}, which longsft's sequence-"
+                             "parallel and packed attention do not apply (the start-up check should have said so)")
     if SP.size == 1:  # packed documents on one rank
         out = per_document_attention(query, key, value, scaling, SP.doc_ids)
     else:

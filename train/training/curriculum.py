@@ -17,7 +17,7 @@ from longsft.train.common.io import atomic_write_json, atomic_write_text, read_t
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
 from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
-from longsft.train.model.build import build_hf_config, build_tokenizer
+from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks
 from longsft.train.parallel import comm, distributed
 from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
@@ -164,8 +164,13 @@ def check_model(cfg: RunConfig) -> None:
         raise ConfigError(f"model.path={m.path}: cannot read its config.json ({e})") from None
     check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
                 getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+    check_attention_quirks(hf, cfg.parallel.sp_size, cfg.data.packing)
     import torch
 
+    if m.loss_kernel == "liger" and getattr(hf, "final_logit_softcapping", None):
+        raise ConfigError(f"model.loss_kernel=liger: this model caps its logits (final_logit_softcapping="
+                          f"{hf.final_logit_softcapping}), which longsft does not pass to Liger's kernel; use "
+                          "model.loss_kernel=torch (it applies the cap, chunked or not)")
     if m.loss_kernel == "liger" and not torch.cuda.is_available():
         raise ConfigError("model.loss_kernel=liger runs on CUDA GPUs only; use model.loss_kernel=torch "
                           "(with model.loss_chunk_tokens) on this machine")
