@@ -223,7 +223,6 @@ def main() -> None:
     ap.add_argument("--before-samples", type=int, default=67)
     ap.add_argument("--worker")
     ap.add_argument("--start-step", type=int, default=0)
-    ap.add_argument("--before-only", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return worker(Path(args.worker), args.start_step)

@@ -229,8 +229,3 @@ def selector(spec: str | Path) -> str:
         return text
     return "" if Path(text).exists() else text.rpartition("#")[2]
 
-
-def source_rows(spec: str | Path) -> int:
-    """How many records ``spec`` holds (the planner's data figure)."""
-    return len(open_source(spec))
-
