@@ -194,7 +194,8 @@ def check_out_dir(cfg: EvalConfig) -> None:
 def model_config(cfg: EvalConfig):
     """The model section: the recipe's (tokenizer, rope scaling) with ``model`` as the weights."""
     base = load_config(cfg.recipe).model if cfg.recipe else ModelConfig()
-    return replace(base, path=cfg.model, config=None, tokenizer=cfg.tokenizer or base.tokenizer or cfg.model)
+    return replace(base, path=cfg.model, config=None, tokenizer=cfg.tokenizer or base.tokenizer or cfg.model,
+                   gguf_file=base.gguf_file if cfg.model == base.path else None)
 
 
 def make_backend(cfg: EvalConfig):
@@ -339,22 +340,28 @@ class RagMethod:
                 "input_token_saving": 1 - self.rag_tokens / self.direct_tokens if self.direct_tokens else None}
 
 
-def _score(cfg: EvalConfig, n: int, per_repeat: list[list[dict]], rag: dict | None) -> dict:
-    out = cfg.out_path
-    repeats, gen = [], {"prompt_tokens": 0, "gen_tokens": 0, "failed": 0}
+def score_repeats(out: Path, per_repeat: list[list[dict]], policy: str, bootstrap: int, seed: int
+                  ) -> tuple[list[dict], dict]:
+    """Write ``predictions_r<k>.jsonl`` and ``scores_r<k>.json`` per repeat; (scores, their mean)."""
+    repeats = []
     for r, rows in enumerate(per_repeat):
-        for x in rows:
-            gen["prompt_tokens"] += x["prompt_tokens"]
-            gen["gen_tokens"] += x["gen_tokens"]
-            gen["failed"] += x["error"] is not None
         write_jsonl(out / f"predictions_r{r}.jsonl", rows)
         items = [Item(x["id"], x["prediction"], x["gold_score"], x["bucket"], x["language"], tuple(x["types"]))
                  for x in rows]
-        result = score_items(items, cfg.invalid_policy, cfg.bootstrap, cfg.seed)
+        result = score_items(items, policy, bootstrap, seed)
         atomic_write_json(out / f"scores_r{r}.json", result)
         repeats.append(result)
     mean = {k: sum(x[k] for x in repeats) / len(repeats) for k in ("balanced_accuracy", "mcc", "invalid_rate",
                                                                    "contradiction_rate")}
+    return repeats, mean
+
+
+def _score(cfg: EvalConfig, n: int, per_repeat: list[list[dict]], rag: dict | None) -> dict:
+    out = cfg.out_path
+    rows = [x for repeat in per_repeat for x in repeat]
+    gen = {"prompt_tokens": sum(x["prompt_tokens"] for x in rows), "gen_tokens": sum(x["gen_tokens"] for x in rows),
+           "failed": sum(x["error"] is not None for x in rows)}
+    repeats, mean = score_repeats(out, per_repeat, cfg.invalid_policy, cfg.bootstrap, cfg.seed)
     summary = {"name": cfg.run_name, "out": str(out), "model": cfg.model, "backend": cfg.backend,
                "method": cfg.method, "prompt": cfg.prompt, "data": cfg.data, "invalid_policy": cfg.invalid_policy,
                "n": n, "repeats": cfg.repeats,

@@ -21,6 +21,7 @@ HELP = {
     ("constory",): ["max_story_chars=60000"],
     ("constory", "generate"): ["target_words=8000"],
     ("score",): ["(default: wrong)", "(default: 2000)"],
+    ("vote",): ["an odd number, at least 3", "(default: 2000)"],
     ("data",): ["prepare", "sample", "extend", "ablation", "erhg", "mma"],
     ("data", "prepare"): ["--workers", "data.cache_dir=null", "stages.N.seq_len=2048"],
     ("data", "sample"): ["(default: 512,1k,2k,4k)", "(default: 16)"],

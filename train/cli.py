@@ -17,6 +17,7 @@
     longsft serve model=PATH [port=8000]          OpenAI-compatible endpoint over the HF backend
     longsft constory generate|check|metrics ...   consistency of long generated stories (ConStory)
     longsft score PRED.jsonl [--out F]            score predictions with the shared scorer
+    longsft vote RUN RUN RUN [--out DIR]          majority-vote ensemble of eval runs (an eval run itself)
     longsft data prepare recipe=NAME [key=value ...] [--workers N]
                                                   tokenize every stage's data into the token cache once
     longsft data sample --out DIR [--buckets 512,1k] [--n 16]
@@ -28,7 +29,7 @@
 Arguments, one rule: what a command runs is configured by key=value settings of a typed config, the
 same keys a recipe or a sweep line holds (train, config, plan, submit, sweep lines, eval, serve,
 constory); options of the command itself that no config stores are --flags (the hardware of plan and
-submit, sweep selection, the files score, report, status and data read and write).
+submit, sweep selection, the files score, vote, report, status and data read and write).
 `longsft COMMAND --help` lists every key or flag with its default.
 
 Exit status: 0 done, 1 unfinished (status) or does not fit (plan), 2 bad input, 3 training failed (e.g. NaN loss) or ConStory stories left unjudged,
@@ -461,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
             from longsft.eval.scoring.score import main as score_main
 
             return score_main(rest)
+        if cmd == "vote":
+            from longsft.eval.vote import main as vote_main
+
+            return vote_main(rest)
     except (ConfigError, DataError) as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
             print(f"longsft: {e}", file=sys.stderr)
