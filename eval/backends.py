@@ -39,9 +39,8 @@ class HFBackend:
 
     def __init__(self, model_cfg, max_new_tokens: int, enable_thinking: bool = False, dtype: str = "auto"):
         import torch
-        from transformers import AutoModelForCausalLM
 
-        from longsft.train.model.build import build_hf_config, build_tokenizer  # torch: only for this backend
+        from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained, weights_source
 
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         try:
@@ -55,8 +54,9 @@ class HFBackend:
             # generation needs the KV cache, whatever the checkpoint says (build_hf_config is for training,
             # and older exports wrote use_cache: false)
             hf_cfg.use_cache = True
-            self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, config=hf_cfg, dtype=torch_dtype,
-                                                              trust_remote_code=model_cfg.trust_remote_code)
+            source, extra = weights_source(model_cfg.path, model_cfg.gguf_file)
+            self.model = load_pretrained(source, extra, config=hf_cfg, dtype=torch_dtype,
+                                         trust_remote_code=model_cfg.trust_remote_code)
         except ConfigError:
             raise
         except (OSError, ValueError) as e:  # not a checkpoint, damaged weights, unknown architecture

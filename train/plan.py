@@ -154,8 +154,8 @@ class Estimate:
 
 def model_config_source(cfg: RunConfig) -> str:
     """Where the model's config comes from: inline ``model.config``, a local checkpoint, or a shipped file."""
-    if cfg.model.config is not None:
-        return "recipe"
+    if cfg.model.config is not None or cfg.model.gguf_file or cfg.model.path.endswith(".gguf"):
+        return "recipe"  # (a GGUF file: its header, read without the weights)
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
         return str(path / "config.json")

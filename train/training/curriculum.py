@@ -17,7 +17,7 @@ from longsft.train.common.io import atomic_write_json, atomic_write_text, read_t
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
 from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
-from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks
+from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks, weights_source
 from longsft.train.parallel import comm, distributed
 from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
@@ -154,7 +154,10 @@ def check_model(cfg: RunConfig) -> None:
 
     m = cfg.model
     for key, value in (("model.path", m.path), ("model.tokenizer", m.tokenizer)):
-        if value and value != "qwen" and (os.sep in value or value.startswith(".")) and not os.path.exists(value) \
+        if not value or value == "qwen":
+            continue
+        value, _ = weights_source(value, m.gguf_file if key == "model.path" else None, key)
+        if (os.sep in value or value.startswith(".")) and not os.path.exists(value) \
                 and value.count("/") != 1:  # "org/name" may be a hub id
             raise ConfigError(f"{key}={value}: no such folder (a local model folder with config.json, or a hub id "
                               "already in the Hugging Face cache)")
