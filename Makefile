@@ -11,7 +11,7 @@ NPROC ?= $(if $(filter 1,$(GPUS)),1,2)
 export LONGSFT_CACHE ?= $(CURDIR)/.cache/longsft
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install demo test bench clean slurm-deps
+.PHONY: install demo test bench learn clean slurm-deps
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,11 @@ test: install
 
 bench: install
 	$(PY) bench/tiny_curriculum.py
+
+# A real pretrained model (SmolLM2-135M-Instruct) through the paper's loop on CPU, measured: base eval,
+# curriculum, eval, majority vote, paired comparison (bench/learn.py; not part of make test).
+learn: install
+	$(PY) bench/learn.py $(ARGS)
 
 # Debian/Ubuntu, as root: the SLURM daemons the SLURM tests start (skipped with a reason without them).
 slurm-deps:

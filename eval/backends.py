@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import weights_source
 from longsft.train.common.llm import Endpoint, EndpointError
 
 
@@ -40,7 +41,7 @@ class HFBackend:
     def __init__(self, model_cfg, max_new_tokens: int, enable_thinking: bool = False, dtype: str = "auto"):
         import torch
 
-        from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained, weights_source
+        from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained
 
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         try:

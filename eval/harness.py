@@ -38,7 +38,8 @@ from longsft.eval.scoring.judgement import parse_judgement
 from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import atomic_write_json, check_input_file, read_json, safe_name, write_jsonl
+from longsft.train.common.io import (PACKAGE_PREFIX, atomic_write_json, check_input_file, read_json, safe_name,
+                                     weights_source, write_jsonl)
 from longsft.train.common.llm import answer_key
 from longsft.train.config import ModelConfig, config_help, from_args, load_config, to_dict
 from longsft.train.data.prompts import render_prompt
@@ -133,12 +134,19 @@ def parse_eval_args(argv: list[str]) -> EvalConfig:
     return cfg
 
 
-def check_model(model: str, backend: str, key: str = "model") -> None:
-    """A local model is a checkpoint folder; a missing path is refused before anything is written.
+def check_model(model: str, backend: str, key: str = "model", gguf_file: str | None = None) -> None:
+    """A local model is a checkpoint folder or a GGUF file (``x.gguf``, ``pkg:PACKAGE/FILE``, a folder
+    with ``gguf_file``); a missing path is refused before anything is written.
 
     A name that is no local path (``Qwen/Qwen3-8B``) is left to Hugging Face; ``openai`` models are
     served names."""
     if backend == "openai":
+        return
+    if gguf_file or model.startswith(PACKAGE_PREFIX) or model.endswith(".gguf"):
+        if backend != "hf":
+            raise ConfigError(f"{key}={model}: a GGUF model is evaluated with backend=hf (dequantised); for "
+                              f"backend={backend} give an HF checkpoint folder")
+        weights_source(model, gguf_file, key)
         return
     path = Path(model).expanduser()
     if path.exists():
@@ -240,7 +248,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     samples = load_samples(cfg.data)
     if cfg.limit:
         samples = samples[: cfg.limit]
-    check_model(cfg.model, cfg.backend)
+    check_model(cfg.model, cfg.backend, gguf_file=model_config(cfg).gguf_file if cfg.backend == "hf" else None)
     check_out_dir(cfg)
     out = cfg.out_path
     with OutputDir(out) as made:

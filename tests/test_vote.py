@@ -85,10 +85,13 @@ def test_bad_votes_are_refused_before_anything_is_written(tmp_path):
     a, b, c, d = (_run(tmp_path, n, "hff", gold) for n in "abcd")
     other = _run(tmp_path, "other", "hff", gold, ids=["s0", "s1", "zz"])
     lenient = _run(tmp_path, "lenient", "hff", gold, policy="faithful")
+    garbled = _run(tmp_path, "garbled", "hff", gold)
+    (garbled / "eval.json").write_text("[1, 2]")
     cases = [((a, b), "an odd number, at least 3"), ((a, b, c, d), "an odd number"),
              ((a, b, b), "given twice"), ((a, b, other), "not the same items"),
              ((a, b, lenient), "score invalid answers differently"),
-             ((a, b, tmp_path / "nothing"), "not an evaluation run")]
+             ((a, b, tmp_path / "nothing"), "not an evaluation run"),
+             ((a, b, garbled), "not a longsft evaluation summary")]
     for runs, message in cases:
         out = tmp_path / "out"
         r = cli("vote", *map(str, runs), "--out", str(out))

@@ -101,7 +101,8 @@ def _data(argv: list[str]) -> int:
     s.add_argument("--n-test", type=int, default=0, help="held-out test samples per language and bucket (test.jsonl)")
     s.add_argument("--languages", default="zh,en", help="languages to write")
     s.add_argument("--balanced", action="store_true",
-                   help="exactly half hallucinated per split and language (else each sample is drawn)")
+                   help="alternately faithful and hallucinated per split and language: half of an even count "
+                        "(else each sample is drawn)")
     s.add_argument("--tokenizer", default="qwen", help="sizes the articles: qwen, an HF path, a .gguf or pkg:PKG/FILE")
     e = sub.add_parser("extend", formatter_class=DefaultsHelp,
                        help="textual units of books -> samples in token-length buckets")
@@ -166,9 +167,12 @@ def _data(argv: list[str]) -> int:
 
 def _tokenizer(name: str):
     """``--tokenizer``: qwen (offline), an HF folder or hub id, a .gguf file or pkg:PACKAGE/FILE."""
+    from longsft.train.common.io import weights_source
     from longsft.train.config import ModelConfig
     from longsft.train.model.build import build_tokenizer
 
+    if name != "qwen":
+        weights_source(name, None, "--tokenizer")  # a missing package or GGUF file, named as this flag
     try:
         return build_tokenizer(ModelConfig(tokenizer=name))
     except (OSError, ValueError) as e:

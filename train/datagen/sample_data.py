@@ -114,7 +114,7 @@ def write_sample_data(out_dir: str | Path, tokenizer, buckets: list[str], n_per_
                       n_test: int = 0, balanced: bool = False) -> dict[str, dict[str, Path]]:
     """Write ``<out>/<bucket>/{train,validation[,test]}.jsonl``; identical for identical arguments.
     Each sample has its own article, so the splits share none. ``balanced``: alternately faithful and
-    hallucinated within each split and language. Every argument is checked before anything is written."""
+    hallucinated within each split and language (exactly half when the count is even). Every argument is checked before anything is written."""
     check_output_dir(out_dir)
     for bucket in buckets:
         if bucket not in SAMPLE_BUCKETS:

