@@ -1,6 +1,6 @@
 """Does longsft make a real model better at the task? SmolLM2-135M-Instruct, the paper's loop, on CPU.
 
-    python bench/learn.py [--out runs/learn] [--n-512 160 --n-1k 32 --n-2k 12] [--test 200] [key=value ...]
+    python bench/learn.py [--out runs/learn] [--n-512 160 --n-1k 24 --n-2k 8] [--test 200] [key=value ...]
     make learn
 
 1. data by longsft's own pipeline (``longsft data sample``: faithful summaries and ERHG-edited ones,
@@ -82,9 +82,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/learn", help="working folder (data, run, evals, logs)")
     ap.add_argument("--n-512", type=int, default=160, help="training samples, 512 bucket")
-    ap.add_argument("--n-1k", type=int, default=32, help="training samples, 1k bucket")
-    ap.add_argument("--n-2k", type=int, default=12, help="training samples, 2k bucket")
-    ap.add_argument("--val", type=int, default=16, help="validation samples per bucket")
+    ap.add_argument("--n-1k", type=int, default=24, help="training samples, 1k bucket")
+    ap.add_argument("--n-2k", type=int, default=8, help="training samples, 2k bucket")
+    ap.add_argument("--val", type=int, default=12, help="validation samples per bucket")
     ap.add_argument("--test", type=int, default=200, help="held-out test samples (512 bucket)")
     ap.add_argument("--json", default="learn", help="results name: bench/results/<name>.json")
     args, overrides = ap.parse_known_args()
