@@ -1,7 +1,10 @@
-"""A real single-node SLURM (Debian's slurmctld + slurmd) in a temp dir, for the SLURM tests.
+"""A real SLURM (Debian's slurmctld + slurmd) in a temp dir, for the SLURM tests.
 
-Started by :func:`start`, stopped by the PIDs it started. Needs root (the daemons run as root with
-``auth/none``) and the packages ``slurmctld slurmd slurm-client`` (``.ci/run`` installs them).
+:func:`start`: one node, ``localhost``. :func:`start_hosts`: one slurmd per separate network host
+(``tests/net_hosts.py``: a network namespace, address, hostname and /dev/shm each), the controller
+and the clients on the bridge's address in the root namespace. Stopped by the PIDs it started.
+Needs root (the daemons run as root with ``auth/none``) and the packages ``slurmctld slurmd
+slurm-client`` (``.ci/run`` installs them).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 CONF = """\
 ClusterName=longsft-test
-SlurmctldHost=localhost
+SlurmctldHost={ctld_host}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/none
@@ -41,9 +44,9 @@ SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=1,bf
 ReturnToService=2
 MinJobAge=600
 KillWait=5
-NodeName=localhost NodeHostname=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=4000 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
+PARTITION = "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
+NODE = "NodeName={name} NodeHostname={name} NodeAddr={addr} CPUs={cpus} RealMemory=4000 State=UNKNOWN\n"
 
 
 def unavailable() -> str | None:
@@ -62,6 +65,7 @@ class Cluster:
     tmp: Path
     env: dict
     procs: list
+    hosts: object = None  # net_hosts.Hosts for start_hosts
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
@@ -101,31 +105,65 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def start(tmp: Path, cpus: int = 2) -> Cluster:
+def _write_conf(tmp: Path, ctld_host: str, nodes: list[tuple[str, str]], cpus: int) -> Path:
     (tmp / "state").mkdir(parents=True)
-    (tmp / "spool").mkdir()
+    for name, _ in nodes:
+        (tmp / "spool" / f"slurmd-{name}").mkdir(parents=True)
     conf = tmp / "slurm.conf"
-    conf.write_text(CONF.format(tmp=tmp, cpus=cpus, ctld_port=_port(), slurmd_port=_port()))
+    text = CONF.format(tmp=tmp, ctld_host=ctld_host, ctld_port=_port(), slurmd_port=_port())
+    text += "".join(NODE.format(name=n, addr=a, cpus=cpus) for n, a in nodes) + PARTITION
+    conf.write_text(text)
+    return conf
+
+
+def _up(cluster: Cluster, n: int) -> Cluster:
+    """Wait until all ``n`` nodes are idle; on failure stop what was started and raise."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        r = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False)
+        if r.stdout.split() == ["idle"] * n:
+            return cluster
+        if any(p.poll() is not None for p in cluster.procs):
+            break
+        time.sleep(0.5)
+    logs = cluster.logs() + (cluster.tmp / "daemons.out").read_text()
+    stop(cluster)
+    raise RuntimeError(f"local SLURM did not come up:\n{logs}")
+
+
+def start(tmp: Path, cpus: int = 2) -> Cluster:
+    """One node, ``localhost``."""
+    conf = _write_conf(tmp, "localhost", [("localhost", "127.0.0.1")], cpus)
     env = dict(os.environ, SLURM_CONF=str(conf))
     log = open(tmp / "daemons.out", "w")
     procs = [subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=env, stdout=log, stderr=log)]
     procs.append(subprocess.Popen(["slurmd", "-D", "-N", "localhost", "-f", str(conf)], env=env, stdout=log,
                                   stderr=log))
-    cluster = Cluster(tmp, env, procs)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        r = cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False)
-        if r.stdout.strip() == "idle":
-            return cluster
-        if any(p.poll() is not None for p in procs):
-            break
-        time.sleep(0.5)
-    stop(cluster)
-    raise RuntimeError(f"local SLURM did not come up:\n{cluster.logs()}\n{(tmp / 'daemons.out').read_text()}")
+    return _up(Cluster(tmp, env, procs), 1)
+
+
+def start_hosts(tmp: Path, names: list[str], cpus: int = 2) -> Cluster:
+    """One node per name, each a separate network host (``net_hosts``) running its own slurmd."""
+    import net_hosts
+
+    hosts = net_hosts.create(names)
+    try:
+        conf = _write_conf(tmp, f"localhost({hosts.gateway})", [(h.name, h.addr) for h in hosts.hosts], cpus)
+        env = dict(os.environ, SLURM_CONF=str(conf))
+        log = open(tmp / "daemons.out", "w")
+        procs = [subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=env, stdout=log, stderr=log)]
+        cluster = Cluster(tmp, env, procs, hosts)
+        for h in hosts.hosts:
+            procs.append(subprocess.Popen([*hosts.prefix(h), "slurmd", "-D", "-N", h.name, "-f", str(conf)],
+                                          env=env, stdout=log, stderr=log))
+    except BaseException:
+        hosts.close()
+        raise
+    return _up(cluster, len(names))
 
 
 def stop(cluster: Cluster) -> None:
-    """SIGTERM slurmd, then slurmctld (the PIDs we started), and wait for them."""
+    """SIGTERM the slurmds, then slurmctld (the PIDs we started), wait for them, remove the hosts."""
     for p in reversed(cluster.procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -134,3 +172,5 @@ def stop(cluster: Cluster) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    if cluster.hosts is not None:
+        cluster.hosts.close()

@@ -52,8 +52,10 @@ class Resources:
 
 
 def check_world(cfg: RunConfig, res: Resources, where: str = "") -> None:
+    """World size and node placement of the sequence-parallel groups, as ``distributed.init`` checks them."""
     try:
-        ParallelDims(res.nodes * res.procs, cfg.parallel.sp_size)
+        dims = ParallelDims(res.nodes * res.procs, cfg.parallel.sp_size)
+        dims.check_nodes([f"node {r // res.procs}" for r in range(dims.world_size)])
     except ConfigError as e:
         raise ConfigError(f"{where}{e} [--nodes {res.nodes} x {res.procs} processes per node]") from None
 

@@ -2,8 +2,10 @@
 
 Naming: "axis" is a direction of the rank grid (dp, sp); "dim" is a tensor dimension.
 Ranks are laid out sp-major-inner: ranks ``[k*sp, (k+1)*sp)`` form sequence-parallel group
-``k`` (contiguous, so a group stays inside a node); ranks with equal ``rank % sp`` form a
-data-parallel group. ZeRO-3 shards over the whole world.
+``k``; ranks with equal ``rank % sp`` form a data-parallel group. ZeRO-3 shards over the whole
+world. torchrun numbers ranks node by node, so a group lies inside one node when ``sp_size``
+divides the processes per node, and spans whole nodes (its ring crosses the network) when it is a
+multiple of them; any other placement is refused (:meth:`ParallelDims.check_nodes`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.parallel import comm
+from longsft.train.parallel import comm, netif
 from longsft.train.parallel.attention import setup
 
 
@@ -47,6 +49,30 @@ class ParallelDims:
 
     def dp_group_ranks(self) -> list[list[int]]:
         return [list(range(r, self.world_size, self.sp_size)) for r in range(self.sp_size)]
+
+    def check_nodes(self, hosts: list[str]) -> str:
+        """Refuse a sequence-parallel group that holds part of a node and more (``hosts[r]``: rank
+        ``r``'s node). Returns how the groups lie, for the log."""
+        ranks_on: dict[str, set[int]] = {}
+        for r, h in enumerate(hosts):
+            ranks_on.setdefault(h, set()).add(r)
+        spans = False
+        for group in self.sp_group_ranks():
+            touched = list(dict.fromkeys(hosts[r] for r in group))  # in rank order
+            if len(touched) == 1:
+                continue
+            spans = True
+            split = next((h for h in touched if not ranks_on[h] <= set(group)), None)
+            if split is not None:
+                on = ", ".join(f"{h} ({_span([r for r in group if hosts[r] == h])})" for h in touched)
+                raise ConfigError(
+                    f"parallel.sp_size={self.sp_size} splits a node: sequence-parallel group {_span(group)} has "
+                    f"ranks on {on}, and {split} also holds ranks outside the group; make sp_size divide the "
+                    f"processes per node ({len(ranks_on[split])}: the group stays inside a node) or a multiple of "
+                    "them (whole nodes)")
+        nodes = len(ranks_on)
+        where = "inside a node" if not spans else "across whole nodes (the ring crosses the network)"
+        return f"{self.world_size} rank(s) on {nodes} node(s); sequence-parallel groups of {self.sp_size} {where}"
 
 
 @dataclass
@@ -108,6 +134,7 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
     world = int(os.environ["WORLD_SIZE"])
     dims = ParallelDims(world, sp_size)  # validate before any collective
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    netif.setup_gloo_interface(say=_say if local_rank == 0 else None)
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if local_rank >= gpus:  # NCCL cannot put two ranks on one GPU
@@ -124,6 +151,11 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    hosts = comm.all_gather_objects(socket.gethostname())
+    placement = dims.check_nodes(hosts)  # the same verdict on every rank: all raise or none
+    if rank == 0 and len(set(hosts)) > 1:
+        _say(placement + "; " + ", ".join(f"{h} ranks {_span([r for r, x in enumerate(hosts) if x == h])}"
+                                          for h in dict.fromkeys(hosts)))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))  # wraps the group
@@ -138,6 +170,15 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
             d.dp_group = g
     setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
     return d
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
+        else ",".join(map(str, ranks))
+
+
+def _say(message: str) -> None:
+    print(f"longsft: {message}", file=sys.stderr, flush=True)
 
 
 def shutdown() -> None:
