@@ -43,10 +43,12 @@ bench: install
 learn: install
 	$(PY) bench/learn.py $(ARGS)
 
-# Debian/Ubuntu, as root: the SLURM daemons the SLURM tests start (skipped with a reason without them).
+# Debian/Ubuntu, as root: the SLURM daemons the SLURM tests start, and iproute2 for the multi-node tests'
+# separate network hosts (skipped with a reason without them; under CI they fail instead).
 slurm-deps:
-	command -v slurmctld >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null; }
+	command -v slurmctld >/dev/null && command -v ip >/dev/null && command -v nsenter >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	  slurmctld slurmd slurm-client munge iproute2 util-linux >/dev/null; }
 
 clean:
 	rm -rf runs .cache

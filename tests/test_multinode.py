@@ -12,18 +12,20 @@ import subprocess
 import sys
 import time
 
+import net_hosts
 import psutil
 import pytest
 import slurm_cluster
-from conftest import ROOT, TEST_OVERRIDES, assert_same_run, skip_or_fail, torchrun
-
-import net_hosts
+from conftest import ROOT, TEST_OVERRIDES, assert_same_run, run_metrics, skip_or_fail, torchrun
 
 CLI = [sys.executable, "-m", "longsft.train.cli"]
 NODES = ["node0", "node1", "node2"]
 # stage b checkpoints at steps 2, 4 and 6 (each validation): a run stopped inside it resumes mid-stage
 OVERRIDES = [*TEST_OVERRIDES[:-1], "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2, validate: false},"
              " {name: b, bucket: 1k, seq_len: 1024, max_steps: 6, every_steps: 2}]"]
+# 2 x 2: a shorter run of the same shape (4 ranks share the 2 cores)
+SHORT = [*TEST_OVERRIDES[:-1], ("stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2, validate: false},"
+                                " {name: b, bucket: 1k, seq_len: 1024, max_steps: 2, every_steps: 2}]")]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
@@ -44,9 +46,9 @@ def one_node_ref(tmp_path_factory):
     return ref
 
 
-def submit(cluster, tmp_path, run_dir, nodes=2, procs=1, cpus=1, extra=()):
-    r = subprocess.run([*CLI, "submit", "--gpus-per-node", "0", "--nodes", str(nodes), "--nproc-per-node", str(procs),
-                        "--cpus-per-task", str(cpus), "recipe=tiny", f"run_dir={run_dir}", *OVERRIDES, *extra],
+def submit(cluster, tmp_path, run_dir, procs=1, cpus=1, overrides=OVERRIDES):
+    r = subprocess.run([*CLI, "submit", "--gpus-per-node", "0", "--nodes", "2", "--nproc-per-node", str(procs),
+                        "--cpus-per-task", str(cpus), "recipe=tiny", f"run_dir={run_dir}", *overrides],
                        cwd=tmp_path, env=cluster.env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout.split("job: ")[1].strip()
@@ -79,6 +81,41 @@ def torchrun_on(cluster, node: str) -> psutil.Process:
         if "torch.distributed.run" in cmd and (h := cluster.hosts.host_of(p.pid)) and h.name == node:
             return p
     raise AssertionError(f"no torchrun on {node}")
+
+
+def test_interface_choice_without_a_cluster():
+    """On the rendezvous host whose names map to loopback (here: this machine's root namespace):
+    the one interface if there is one, else a clear error naming them and the variable to set."""
+    from longsft.train.common.errors import ConfigError
+    from longsft.train.parallel import netif
+
+    assert netif.choose("127.0.0.1", {"eth0": "192.0.2.10"})[0] == "eth0"
+    with pytest.raises(ConfigError, match=r"the up interfaces are eth0 \(192.0.2.10\), ib0 \(192.0.2.20\)\. "
+                                          r"Set GLOO_SOCKET_IFNAME"):
+        netif.choose("127.0.0.1", {"ib0": "192.0.2.20", "eth0": "192.0.2.10"})
+    one_node = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    assert netif.setup_gloo_interface(one_node) is None and "GLOO_SOCKET_IFNAME" not in one_node
+    chosen = dict(WORLD_SIZE="2", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="ib7")
+    assert netif.setup_gloo_interface(chosen) is None and chosen["GLOO_SOCKET_IFNAME"] == "ib7"
+
+
+@pytest.mark.parametrize("hosts, sp, verdict", [
+    (["a", "a", "b", "b"], 2, "4 rank(s) on 2 node(s); sequence-parallel groups of 2 inside a node"),
+    (["a", "b"], 2, "groups of 2 across whole nodes"),
+    (["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["d"] * 2, 4, "groups of 4 across whole nodes"),
+    (["a"] * 6 + ["b"] * 6, 4, "group 4-7 has ranks on a (4-5), b (6-7), and a also holds ranks outside the group"),
+    (["a", "b", "a", "b"], 2, "group 0-1 has ranks on a (0), b (1), and a also holds ranks outside the group"),
+])
+def test_sequence_parallel_groups_lie_inside_nodes_or_over_whole_nodes(hosts, sp, verdict):
+    from longsft.train.common.errors import ConfigError
+    from longsft.train.parallel.distributed import ParallelDims
+
+    dims = ParallelDims(len(hosts), sp)
+    if "also holds" in verdict:
+        with pytest.raises(ConfigError, match=verdict.replace("(", r"\(").replace(")", r"\)")):
+            dims.check_nodes(hosts)
+    else:
+        assert verdict in dims.check_nodes(hosts)
 
 
 def test_hosts_are_separate_and_each_picks_its_network_interface(cluster):
@@ -122,9 +159,9 @@ def test_two_nodes_train_like_one_node(cluster, one_node_ref, tmp_path):
 def test_two_by_two_keeps_sp_inside_nodes_and_equals_one_node(cluster, tmp_path):
     """2 nodes x 2 ranks, sp=2 inside each node, ZeRO-3 and data parallelism across them: one node's 4 ranks."""
     ref = tmp_path / "ref"
-    torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={ref}", *OVERRIDES], nproc=4)
+    torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={ref}", *SHORT], nproc=4)
     run_dir = tmp_path / "run"
-    job = submit(cluster, tmp_path, run_dir, procs=2, cpus=2)
+    job = submit(cluster, tmp_path, run_dir, procs=2, cpus=2, overrides=SHORT)
     end = cluster.wait(job)[0]
     log = job_log(run_dir, job)
     assert end["JobState"] == "COMPLETED", log
@@ -183,8 +220,6 @@ def test_requeue_lands_on_other_nodes_in_the_other_order_and_resumes(cluster, on
 @pytest.mark.slow
 def test_array_sweep_tasks_land_on_several_nodes_and_report_aggregates(cluster, tmp_path):
     """An array sweep (one line a task), each task a whole node (--cpus-per-task 2): tasks on separate hosts."""
-    from conftest import run_metrics
-
     root = tmp_path / "sweep"
     overrides = ["parallel.sp_size=1", *TEST_OVERRIDES[:-1],
                  "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"]
