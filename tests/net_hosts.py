@@ -4,16 +4,18 @@ Each host is a Linux network namespace with one veth interface and its own addre
 bridge in the root namespace (which has the bridge's address: the "login node" the SLURM controller
 and the tests' clients run on). Commands started through :meth:`Hosts.prefix` also get their own
 hostname (a UTS namespace), their own ``/dev/shm`` and an ``/etc/hosts`` of their own (a mount
-namespace; ``/etc/netns/NAME/hosts`` bound over it), as separate machines have.
+namespace; a file in the caller's folder bound over it), as separate machines have.
 
 The hosts files are written as Debian's installer writes them: a host's own name maps to
 ``127.0.1.1``, the other hosts' names to their addresses. Software that trusts its own hostname
 to find its network address (gloo does) therefore gets loopback, as on many real clusters.
 
 Addresses are link-local (``169.254.N.0/24``, a subnet no interface here uses): they are never
-routed, and no host has a default route, so nothing leaves the machine. Everything is named
-``longsft<pid>...`` and removed by :meth:`Hosts.close`; what a killed test run left behind is removed
-by the next :func:`create`. Needs root and ``ip`` (iproute2) and ``unshare`` (util-linux).
+routed, and no host has a default route, so nothing leaves the machine. Namespaces are named
+``longsft<pid>-<host>``, interfaces ``ls<pid>`` plus a letter and number (15 characters at most);
+:meth:`Hosts.close` removes them all, and what a killed test run left behind is removed by the
+next :func:`create`. Nothing outside the caller's folder is written. Needs root (with the
+capabilities to make namespaces), ``ip`` (iproute2), ``nsenter`` and ``unshare`` (util-linux).
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ETC_NETNS = Path("/etc/netns")
-
 
 def unavailable() -> str | None:
     """Why separate network hosts cannot be made here, or None."""
@@ -36,6 +36,9 @@ def unavailable() -> str | None:
         return f"{', '.join(missing)} not installed: apt-get install -y iproute2 util-linux mount"
     if os.geteuid() != 0:
         return "network namespaces need root; these tests run as a normal user"
+    r = subprocess.run(["unshare", "--net", "--uts", "--mount", "true"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot make namespaces here (a container without CAP_SYS_ADMIN?): {r.stderr.strip()}"
     return None
 
 
@@ -52,11 +55,12 @@ class Host:
     netns: str
     addr: str
     iface: str  # its one non-loopback interface, inside the namespace
+    hosts_file: Path  # bound over its /etc/hosts
 
 
 @dataclass
 class Hosts:
-    tag: str  # longsft<pid>: every name made here starts with it
+    pid: int  # of the test process that made them: every name made here carries it
     bridge: str
     gateway: str  # the bridge's address (the root namespace)
     hosts: list[Host] = field(default_factory=list)
@@ -64,7 +68,7 @@ class Hosts:
     def prefix(self, host: Host) -> list[str]:
         """A command line prefix that runs a program on ``host`` (its network, hostname, /dev/shm)."""
         # nsenter, not `ip netns exec`: that remounts /sys, hiding the cgroup filesystem slurmd needs
-        setup = (f"hostname {host.name} && mount --bind {ETC_NETNS / host.netns / 'hosts'} /etc/hosts && "
+        setup = (f"hostname {host.name} && mount --bind {host.hosts_file} /etc/hosts && "
                  "mount -t tmpfs -o size=1g tmpfs /dev/shm && exec \"$@\"")
         return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation",
                 "private", "sh", "-c", setup, "sh"]
@@ -76,29 +80,36 @@ class Hosts:
         return next((h for h in self.hosts if h.netns == name), None)
 
     def close(self) -> None:
-        _remove(self.tag)
+        _remove(self.pid)
 
 
-def _remove(tag: str) -> None:
+def _netns(pid: int, name: str) -> str:
+    return f"longsft{pid}-{name}"
+
+
+def _link(pid: int, kind: str, i: int | str = "") -> str:
+    return f"ls{pid}{kind}{i}"  # kind: b(ridge), v(eth outside), p(eer, renamed eth0 inside)
+
+
+def _remove(pid: int) -> None:
     for ns in _ip("netns", "list", check=False).stdout.split():
-        if ns.startswith(tag + "-"):
+        if ns.startswith(_netns(pid, "")):
             _ip("netns", "del", ns, check=False)
-            shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
-    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
-        m = re.match(r"\d+: ([^:@]+)", line)
-        if m and m.group(1).startswith(tag):
-            _ip("link", "del", m.group(1), check=False)
+    ours = re.compile(rf"ls{pid}[bvp]\d*")
+    for name in re.findall(r"^\d+: ([^:@]+)", _ip("-o", "link", "show", check=False).stdout, re.MULTILINE):
+        if ours.fullmatch(name):
+            _ip("link", "del", name, check=False)
 
 
 def _remove_stale() -> None:
     """Hosts of a test run whose process is gone (killed before its teardown)."""
-    tags = set()
-    for ns in _ip("netns", "list", check=False).stdout.split():
-        m = re.match(r"(longsft(\d+))-", ns)
-        if m and not Path(f"/proc/{m.group(2)}").exists():
-            tags.add(m.group(1))
-    for tag in tags:
-        _remove(tag)
+    pids = {int(m.group(1)) for ns in _ip("netns", "list", check=False).stdout.split()
+            if (m := re.match(r"longsft(\d+)-", ns))}
+    pids |= {int(p) for p in re.findall(r"^\d+: ls(\d+)[bvp]\d*[:@]", _ip("-o", "link", "show", check=False).stdout,
+                                        re.MULTILINE)}
+    for pid in pids:
+        if not Path(f"/proc/{pid}").exists():
+            _remove(pid)
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -111,24 +122,26 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 169.254.N.0/24 subnet for the test hosts")
 
 
-def create(names: list[str]) -> Hosts:
-    """Make one host per name (``names[i]`` gets address ``.11 + i``) on a fresh bridge."""
+def create(names: list[str], folder: Path) -> Hosts:
+    """Make one host per name (``names[i]`` gets address ``.11 + i``) on a fresh bridge; their hosts
+    files go in ``folder``."""
     _remove_stale()
-    tag = f"longsft{os.getpid()}"
+    pid = os.getpid()
     net = _free_subnet()
     gateway = str(net.network_address + 1)
-    hosts = Hosts(tag, bridge=f"{tag}b", gateway=gateway)
+    hosts = Hosts(pid, bridge=_link(pid, "b"), gateway=gateway)
     try:
         _ip("link", "add", hosts.bridge, "type", "bridge")
         _ip("addr", "add", f"{gateway}/{net.prefixlen}", "dev", hosts.bridge)
         _ip("link", "set", hosts.bridge, "up")
         for i, name in enumerate(names):
-            h = Host(name, netns=f"{tag}-{name}", addr=str(net.network_address + 11 + i), iface="eth0")
-            outside = f"{tag}v{i}"
+            h = Host(name, netns=_netns(pid, name), addr=str(net.network_address + 11 + i), iface="eth0",
+                     hosts_file=folder / f"hosts.{name}")
+            outside, peer = _link(pid, "v", i), _link(pid, "p", i)
             _ip("netns", "add", h.netns)
-            _ip("link", "add", outside, "type", "veth", "peer", "name", f"{tag}p{i}")
-            _ip("link", "set", f"{tag}p{i}", "netns", h.netns)
-            _ip("-n", h.netns, "link", "set", f"{tag}p{i}", "name", h.iface)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", peer, "netns", h.netns)
+            _ip("-n", h.netns, "link", "set", peer, "name", h.iface)
             _ip("-n", h.netns, "addr", "add", f"{h.addr}/{net.prefixlen}", "dev", h.iface)
             _ip("-n", h.netns, "link", "set", h.iface, "up")
             _ip("-n", h.netns, "link", "set", "lo", "up")
@@ -138,8 +151,7 @@ def create(names: list[str]) -> Hosts:
         for h in hosts.hosts:
             lines = ["127.0.0.1\tlocalhost", f"127.0.1.1\t{h.name}"]
             lines += [f"{o.addr}\t{o.name}" for o in hosts.hosts if o is not h]
-            (ETC_NETNS / h.netns).mkdir(parents=True, exist_ok=True)
-            (ETC_NETNS / h.netns / "hosts").write_text("\n".join(lines) + "\n")
+            h.hosts_file.write_text("\n".join(lines) + "\n")
     except BaseException:
         hosts.close()
         raise

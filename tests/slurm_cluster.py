@@ -146,24 +146,32 @@ def start_hosts(tmp: Path, names: list[str], cpus: int = 2) -> Cluster:
     """One node per name, each a separate network host (``net_hosts``) running its own slurmd."""
     import net_hosts
 
-    hosts = net_hosts.create(names)
+    tmp.mkdir(parents=True, exist_ok=True)
+    hosts = net_hosts.create(names, tmp)
+    cluster = Cluster(tmp, {}, [], hosts)
     try:
         conf = _write_conf(tmp, f"localhost({hosts.gateway})", [(h.name, h.addr) for h in hosts.hosts], cpus)
-        env = dict(os.environ, SLURM_CONF=str(conf))
+        cluster.env = dict(os.environ, SLURM_CONF=str(conf))
         log = open(tmp / "daemons.out", "w")
-        procs = [subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=env, stdout=log, stderr=log)]
-        cluster = Cluster(tmp, env, procs, hosts)
+        cluster.procs.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], env=cluster.env,
+                                              stdout=log, stderr=log))
         for h in hosts.hosts:
-            procs.append(subprocess.Popen([*hosts.prefix(h), "slurmd", "-D", "-N", h.name, "-f", str(conf)],
-                                          env=env, stdout=log, stderr=log))
+            cluster.procs.append(subprocess.Popen([*hosts.prefix(h), "slurmd", "-D", "-N", h.name, "-f", str(conf)],
+                                                  env=cluster.env, stdout=log, stderr=log))
     except BaseException:
-        hosts.close()
+        stop(cluster)
         raise
     return _up(cluster, len(names))
 
 
 def stop(cluster: Cluster) -> None:
-    """SIGTERM the slurmds, then slurmctld (the PIDs we started), wait for them, remove the hosts."""
+    """Cancel what still runs (a failed test's job), SIGTERM the slurmds, then slurmctld (the PIDs we
+    started), wait for them, remove the hosts."""
+    if cluster.procs and cluster.procs[0].poll() is None:
+        cluster.run("scancel", "--full", "--user=root", check=False)
+        deadline = time.time() + 30
+        while time.time() < deadline and cluster.run("squeue", "-h", check=False).stdout.strip():
+            time.sleep(0.5)
     for p in reversed(cluster.procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

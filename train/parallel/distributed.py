@@ -134,7 +134,6 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
     world = int(os.environ["WORLD_SIZE"])
     dims = ParallelDims(world, sp_size)  # validate before any collective
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    netif.setup_gloo_interface(say=_say if local_rank == 0 else None)
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if local_rank >= gpus:  # NCCL cannot put two ranks on one GPU
@@ -149,9 +148,10 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
         backend = "gloo"
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    netif.setup_gloo_interface(say=_say if local_rank == 0 else None)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    hosts = comm.all_gather_objects(socket.gethostname())
+    hosts = _node_names(comm.all_gather_objects((socket.gethostname(), os.environ.get("GROUP_RANK", "0"))))
     placement = dims.check_nodes(hosts)  # the same verdict on every rank: all raise or none
     if rank == 0 and len(set(hosts)) > 1:
         _say(placement + "; " + ", ".join(f"{h} ranks {_span([r for r, x in enumerate(hosts) if x == h])}"
@@ -170,6 +170,14 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
             d.dp_group = g
     setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
     return d
+
+
+def _node_names(pairs: list[tuple[str, str]]) -> list[str]:
+    """Each rank's node: its host name, or ``host/node<GROUP_RANK>`` where torchrun agents share a name."""
+    nodes = set(pairs)
+    if len({h for h, _ in nodes}) == len(nodes):
+        return [h for h, _ in pairs]
+    return [f"{h}/node{g}" for h, g in pairs]
 
 
 def _span(ranks: list[int]) -> str:

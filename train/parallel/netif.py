@@ -8,11 +8,13 @@ GPUs too, for its waiting groups. So on a world that spans nodes it picks the in
 1. the interface this node reaches ``MASTER_ADDR`` (the rendezvous host) through, when that is not
    loopback: traffic to the other nodes takes that way already;
 2. on the rendezvous host itself (its name maps to loopback here): the interface that holds the
-   address this host's name resolves to, else the only up non-loopback IPv4 interface;
-3. several and none of them named: a :class:`ConfigError` listing them.
+   address this host's name resolves to, else the only up non-loopback IPv4 interface (container
+   bridges, ``docker*``, ``virbr*``, ``br-*``, do not count, as in NCCL);
+3. several and none of them named: nothing is set, and a warning names them and the variable.
 
-NCCL chooses its own interfaces (it skips loopback and ``docker*``); set ``NCCL_SOCKET_IFNAME`` on
-nodes with several networks. IPv4 only: for an IPv6 rendezvous, set ``GLOO_SOCKET_IFNAME``.
+Nothing is chosen when ``MASTER_ADDR`` is ``localhost`` or a loopback address (all the world's
+agents are on this host), nor for an IPv6-only rendezvous (set ``GLOO_SOCKET_IFNAME``). NCCL
+chooses its own interfaces; set ``NCCL_SOCKET_IFNAME`` on nodes with several networks.
 """
 
 from __future__ import annotations
@@ -23,18 +25,19 @@ import os
 import socket
 import struct
 
-from longsft.train.common.errors import ConfigError
-
 _SIOCGIFADDR = 0x8915
 _SIOCGIFFLAGS = 0x8913
 _IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
+_NOT_A_NETWORK = ("docker", "virbr", "br-")  # container and VM bridges on the host
 
 
 def interfaces() -> dict[str, str]:
-    """Up, non-loopback interfaces with an IPv4 address: ``{name: address}``."""
+    """Up, non-loopback interfaces with an IPv4 address, container bridges left out: ``{name: address}``."""
     out = {}
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
+            if name.startswith(_NOT_A_NETWORK):
+                continue
             req = struct.pack("256s", name.encode()[:15])
             try:
                 flags = struct.unpack("H", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)[16:18])[0]
@@ -46,10 +49,10 @@ def interfaces() -> dict[str, str]:
     return out
 
 
-def _resolve(host: str) -> list[str]:
+def _resolve(host: str, family: int = socket.AF_INET) -> list[str]:
     try:
-        return [a[4][0] for a in socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)]
-    except (socket.gaierror, UnicodeError):
+        return [a[4][0] for a in socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)]
+    except (OSError, UnicodeError):  # gaierror, or EAI_SYSTEM as a plain OSError
         return []
 
 
@@ -63,8 +66,9 @@ def _source_address(addr: str) -> str | None:
         return s.getsockname()[0]
 
 
-def choose(master_addr: str, ifaces: dict[str, str] | None = None) -> tuple[str, str]:
-    """``(interface, why)`` for gloo on a node of a multi-node world whose rendezvous host is ``master_addr``."""
+def choose(master_addr: str, ifaces: dict[str, str] | None = None) -> tuple[str | None, str]:
+    """``(interface, why)`` for gloo on a node of a multi-node world whose rendezvous host is
+    ``master_addr``; ``(None, why not)`` when it cannot tell."""
     ifaces = interfaces() if ifaces is None else ifaces
     by_addr = {a: n for n, a in ifaces.items()}
     for target in _resolve(master_addr):
@@ -78,10 +82,10 @@ def choose(master_addr: str, ifaces: dict[str, str] | None = None) -> tuple[str,
         name = next(iter(ifaces))
         return name, f"this node's only network interface besides loopback ({ifaces[name]})"
     listed = ", ".join(f"{n} ({a})" for n, a in sorted(ifaces.items())) or "none"
-    raise ConfigError(f"cannot tell which network interface reaches the other nodes: MASTER_ADDR={master_addr} and "
-                      f"this host's name {socket.gethostname()} resolve to loopback or nothing here, and the up "
-                      f"interfaces are {listed}. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the "
-                      "interface of the network the nodes share")
+    return None, (f"cannot tell which network interface reaches the other nodes: MASTER_ADDR={master_addr} and this "
+                  f"host's name {socket.gethostname()} resolve to loopback or nothing here, and the up interfaces "
+                  f"are {listed}. gloo keeps its own choice; if ranks fail with 'connectFullMesh failed', set "
+                  "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME on GPUs) to the interface of the network the nodes share")
 
 
 def setup_gloo_interface(env=os.environ, say=None) -> str | None:
@@ -91,12 +95,21 @@ def setup_gloo_interface(env=os.environ, say=None) -> str | None:
     if env.get("GLOO_SOCKET_IFNAME") or world <= local:
         return None
     master = env.get("MASTER_ADDR", "")
+    if not master or master == "localhost" or not _resolve(master) and _resolve(master, socket.AF_UNSPEC):
+        return None  # unset, every agent on this host, or an IPv6-only rendezvous
     try:
-        if ipaddress.ip_address(master).version == 6:
+        if ipaddress.ip_address(master).is_loopback:
             return None
-    except ValueError:
+    except ValueError:  # a name
         pass
-    name, why = choose(master)
+    try:
+        name, why = choose(master)
+    except OSError as e:  # no IPv4 sockets at all
+        name, why = None, f"cannot list this host's network interfaces ({e})"
+    if name is None:
+        if say is not None:
+            say(f"warning: {why}")
+        return None
     env["GLOO_SOCKET_IFNAME"] = name
     if say is not None:
         say(f"gloo between nodes over {name}: {why} (set GLOO_SOCKET_IFNAME to choose another)")
