@@ -87,6 +87,36 @@ TEST_OVERRIDES = ["data.sample_size=4", "validation.max_new_tokens=16", "logging
                   " {name: b, bucket: 1k, seq_len: 1024, max_steps: 4, every_steps: 2}]"]
 
 
+# Two stages, b checkpointing at steps 2 and 4 (each validation): what the SLURM tests interrupt and resume
+TWO_STAGES = [*TEST_OVERRIDES[:-1], ("stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2, validate: false},"
+                                     " {name: b, bucket: 1k, seq_len: 1024, max_steps: 4, every_steps: 2}]")]
+
+
+@pytest.fixture(scope="session")
+def two_stage_ref(tmp_path_factory):
+    """TWO_STAGES uninterrupted on one node, 2 ranks (sp=2): what every interrupted or multi-node
+    2-rank run of it must equal."""
+    ref = tmp_path_factory.mktemp("two_stage_ref") / "run"
+    torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={ref}", *TWO_STAGES])
+    return ref
+
+
+def steps_logged(run_dir, stage: str) -> int:
+    """The highest training step of ``stage`` in ``run_dir``'s metrics so far (0: none yet)."""
+    import json
+
+    path = Path(run_dir) / "metrics.jsonl"
+    steps = [0]
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            m = json.loads(line)
+        except json.JSONDecodeError:  # the line being written
+            continue
+        if m["stage"] == stage and m["kind"] == "train":
+            steps.append(m["step"])
+    return max(steps)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: a saved tiny random model of an HF architecture (qwen3 or llama; tied LM head or not), built once each."""

@@ -16,13 +16,19 @@ import net_hosts
 import psutil
 import pytest
 import slurm_cluster
-from conftest import ROOT, TEST_OVERRIDES, assert_same_run, run_metrics, skip_or_fail, torchrun
+from conftest import (
+    ROOT,
+    TEST_OVERRIDES,
+    TWO_STAGES,
+    assert_same_run,
+    run_metrics,
+    skip_or_fail,
+    steps_logged,
+    torchrun,
+)
 
 CLI = [sys.executable, "-m", "longsft.train.cli"]
 NODES = ["node0", "node1", "node2"]
-# stage b checkpoints at steps 2 and 4 (each validation): a run stopped inside it resumes mid-stage
-OVERRIDES = [*TEST_OVERRIDES[:-1], ("stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2, validate: false},"
-                                    " {name: b, bucket: 1k, seq_len: 1024, max_steps: 4, every_steps: 2}]")]
 # 2 x 2: one short stage (4 ranks share the 2 cores)
 SHORT = [*TEST_OVERRIDES[:-1], "stages=[{name: b, bucket: 1k, seq_len: 1024, max_steps: 2, every_steps: 2}]"]
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
@@ -37,15 +43,7 @@ def cluster(tmp_path_factory):
     slurm_cluster.stop(c)
 
 
-@pytest.fixture(scope="module")
-def one_node_ref(tmp_path_factory):
-    """The same curriculum on one node, 2 ranks (sp=2): what every 2-rank multi-node run must equal."""
-    ref = tmp_path_factory.mktemp("ref") / "run"
-    torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={ref}", *OVERRIDES])
-    return ref
-
-
-def submit(cluster, tmp_path, run_dir, procs=1, cpus=1, overrides=OVERRIDES):
+def submit(cluster, tmp_path, run_dir, procs=1, cpus=1, overrides=TWO_STAGES):
     r = subprocess.run([*CLI, "submit", "--gpus-per-node", "0", "--nodes", "2", "--nproc-per-node", str(procs),
                         "--cpus-per-task", str(cpus), "recipe=tiny", f"run_dir={run_dir}", *overrides],
                        cwd=tmp_path, env=cluster.env, capture_output=True, text=True, timeout=120)
@@ -55,21 +53,6 @@ def submit(cluster, tmp_path, run_dir, procs=1, cpus=1, overrides=OVERRIDES):
 
 def job_log(run_dir, job) -> str:
     return next((run_dir / "submit").glob(f"*/slurm-{job}.out")).read_text()
-
-
-def steps_logged(run_dir, stage) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = [0]
-    for line in path.read_text().splitlines():
-        try:
-            m = json.loads(line)
-        except json.JSONDecodeError:  # the line being written
-            continue
-        if m["stage"] == stage and m["kind"] == "train":
-            steps.append(m["step"])
-    return max(steps)
 
 
 def wait_for_step(cluster, run_dir, job, stage, step, timeout=300):
@@ -154,7 +137,7 @@ def test_hosts_are_separate_and_each_picks_its_network_interface(cluster):
 
 
 @pytest.mark.slow
-def test_two_nodes_train_like_one_node(cluster, one_node_ref, tmp_path):
+def test_two_nodes_train_like_one_node(cluster, two_stage_ref, tmp_path):
     """2 nodes x 1 rank, sp=2 spanning the two hosts: the losses and validations of one node's 2 ranks."""
     run_dir = tmp_path / "run"
     job = submit(cluster, tmp_path, run_dir)
@@ -164,7 +147,7 @@ def test_two_nodes_train_like_one_node(cluster, one_node_ref, tmp_path):
     assert "2 rank(s) on 2 node(s); sequence-parallel groups of 2 across whole nodes" in log, log
     assert "node0 ranks 0, node1 ranks 1" in log
     assert log.count("longsft: gloo between nodes over eth0") == 2
-    assert_same_run(one_node_ref, run_dir)
+    assert_same_run(two_stage_ref, run_dir)
 
 
 @pytest.mark.slow
@@ -183,7 +166,7 @@ def test_two_by_two_keeps_sp_inside_nodes_and_equals_one_node(cluster, tmp_path)
 
 
 @pytest.mark.slow
-def test_node_lost_mid_stage_ends_the_job_and_the_rerun_resumes(cluster, one_node_ref, tmp_path):
+def test_node_lost_mid_stage_ends_the_job_and_the_rerun_resumes(cluster, two_stage_ref, tmp_path):
     """kill -9 the torchrun of one node: the job ends within seconds (no wait for a collective
     timeout); submitting it again resumes from the last checkpoint and ends as if never stopped."""
     run_dir = tmp_path / "run"
@@ -202,31 +185,38 @@ def test_node_lost_mid_stage_ends_the_job_and_the_rerun_resumes(cluster, one_nod
     log = job_log(run_dir, job2)
     assert end["JobState"] == "COMPLETED", log
     assert "resumed from" in log
-    assert_same_run(one_node_ref, run_dir)
+    assert_same_run(two_stage_ref, run_dir)
 
 
 @pytest.mark.slow
-def test_requeue_lands_on_other_nodes_in_the_other_order_and_resumes(cluster, one_node_ref, tmp_path):
-    """The time-limit signal checkpoints and requeues; node0 is drained meanwhile, so the requeued job
-    runs on node1 and node2: rank 0 moves to node1, which held rank 1. It ends as if never stopped."""
+@pytest.mark.parametrize("moved", [False, True], ids=["same_nodes", "other_nodes"])
+def test_time_limit_requeue_resumes_on_the_same_or_other_nodes(cluster, two_stage_ref, tmp_path, moved):
+    """The time-limit signal checkpoints and requeues; the job resumes and ends as if never stopped.
+    moved: node0 is drained meanwhile, so the requeued job runs on node1 and node2 and rank 0 moves to
+    node1, the host that held rank 1."""
     run_dir = tmp_path / "run"
     job = submit(cluster, tmp_path, run_dir)
     wait_for_step(cluster, run_dir, job, "b", 1)  # the stop lands on step 2 or 3 of 4
     try:
-        cluster.run("scontrol", "update", "NodeName=node0", "State=DRAIN", "Reason=longsft-test")
+        if moved:
+            cluster.run("scontrol", "update", "NodeName=node0", "State=DRAIN", "Reason=longsft-test")
         cluster.run("scancel", "--signal=USR1", "--batch", job)  # what SLURM does before a time limit
         end = cluster.wait(job)[0]
     finally:
         cluster.run("scontrol", "update", "NodeName=node0", "State=RESUME", check=False)
     log = job_log(run_dir, job)
     assert end["JobState"] == "COMPLETED" and end["Restarts"] == "1", log
-    assert end["NodeList"] == "node[1-2]" and end["BatchHost"] == "node1", end
     first, second = log.split("requeueing job")
     assert "node0 ranks 0, node1 ranks 1" in first and "stopped on request at step" in first, log
-    assert "node1 ranks 0, node2 ranks 1" in second and "resumed from" in second, log
+    assert "resumed from" in second, log
+    if moved:
+        assert end["NodeList"] == "node[1-2]" and end["BatchHost"] == "node1", end
+        assert "node1 ranks 0, node2 ranks 1" in second, log
+    else:
+        assert end["NodeList"] == "node[0-1]" and "node0 ranks 0, node1 ranks 1" in second, log
     state = json.loads((run_dir / "state.json").read_text())["stages"]["b"]
     assert state["status"] == "done" and state["steps_done"] == 4
-    assert_same_run(one_node_ref, run_dir)
+    assert_same_run(two_stage_ref, run_dir)
 
 
 @pytest.mark.slow
