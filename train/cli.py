@@ -47,7 +47,7 @@ from pathlib import Path
 
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.helpfmt import DefaultsHelp
-from longsft.train.common.io import check_output_file
+from longsft.train.common.io import check_output_file, say
 from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_epilog, wants_help
 
 
@@ -74,7 +74,7 @@ def _prepare(argv: list[str]) -> int:
     if cfg.data.source == "sample":  # the sample set lives in the run directory
         check_run_dir(cfg)
         prepare_data(cfg, tokenizer)
-    records = prepare(cfg, tokenizer, args.workers, log=lambda m: print(f"longsft: {m}", file=sys.stderr, flush=True))
+    records = prepare(cfg, tokenizer, args.workers, log=say)
     for r in records:
         print(f"{r['stage']:>12} {r['split']:<10} {r['samples']:>7} samples {r['tokens']:>13,} tokens  "
               f"{r['what']}  {r['path']}")

@@ -6,12 +6,18 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from longsft.train.common.errors import ConfigError, DataError
+
+
+def say(message: str) -> None:
+    """One line to the user on stderr: ``longsft: message``."""
+    print(f"longsft: {message}", file=sys.stderr, flush=True)
 
 
 def cache_dir() -> Path:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import say
 from longsft.train.parallel import comm, netif
 from longsft.train.parallel.attention import setup
 
@@ -148,13 +149,13 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
         backend = "gloo"
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    netif.setup_gloo_interface(say=_say if local_rank == 0 else None)
+    netif.setup_gloo_interface(say=say if local_rank == 0 else None)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     hosts = _node_names(comm.all_gather_objects((socket.gethostname(), os.environ.get("GROUP_RANK", "0"))))
     placement = dims.check_nodes(hosts)  # the same verdict on every rank: all raise or none
     if rank == 0 and len(set(hosts)) > 1:
-        _say(placement + "; " + ", ".join(f"{h} ranks {_span([r for r, x in enumerate(hosts) if x == h])}"
+        say(placement + "; " + ", ".join(f"{h} ranks {_span([r for r, x in enumerate(hosts) if x == h])}"
                                           for h in dict.fromkeys(hosts)))
     import deepspeed
 
@@ -183,10 +184,6 @@ def _node_names(pairs: list[tuple[str, str]]) -> list[str]:
 def _span(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)) \
         else ",".join(map(str, ranks))
-
-
-def _say(message: str) -> None:
-    print(f"longsft: {message}", file=sys.stderr, flush=True)
 
 
 def shutdown() -> None:

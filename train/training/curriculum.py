@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, weights_source
+from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, say, weights_source
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
 from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
@@ -181,10 +181,6 @@ def check_model(cfg: RunConfig) -> None:
                           "(with model.loss_chunk_tokens) on this machine")
 
 
-def _say(message: str) -> None:
-    print(f"longsft: {message}", file=sys.stderr, flush=True)
-
-
 def run(cfg: RunConfig) -> dict:
     """Run (or resume) the whole curriculum; returns the final state."""
     validate(cfg)
@@ -198,7 +194,7 @@ def run(cfg: RunConfig) -> dict:
     if cfg.data.source == "files":
         # every stage's data checked and tokenized (or found in the cache) before the run directory
         # is touched: a bad row fails every rank, before hours of training
-        ensure_all(cfg, tokenizer, log=_say if d.is_main else None)
+        ensure_all(cfg, tokenizer, log=say if d.is_main else None)
     run_dir = cfg.run_path
     replace_config = check_resolved_config(cfg)  # every rank: a mismatch fails everywhere, not at a barrier
     d.barrier()
@@ -223,7 +219,7 @@ def run(cfg: RunConfig) -> dict:
         prepare_data(cfg, tokenizer)
     d.barrier()
     if cfg.data.source == "sample":
-        ensure_all(cfg, tokenizer, log=_say if d.is_main else None)
+        ensure_all(cfg, tokenizer, log=say if d.is_main else None)
     tracker = Tracker(run_dir, cfg.logging, d.is_main, to_dict(cfg))
 
     def save() -> None:
