@@ -45,6 +45,7 @@ ReturnToService=2
 MinJobAge=600
 KillWait=5
 """
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")  # a job's final states
 PARTITION = "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP\n"
 NODE = "NodeName={name} NodeHostname={name} NodeAddr={addr} CPUs={cpus} RealMemory=4000 State=UNKNOWN\n"
 
@@ -87,8 +88,7 @@ class Cluster:
         deadline = time.time() + timeout
         while time.time() < deadline:
             jobs = self.jobs(job_id)
-            if jobs and all(j["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                              "OUT_OF_MEMORY") for j in jobs):
+            if jobs and all(j["JobState"] in ENDED for j in jobs):
                 return jobs
             time.sleep(1)
         raise AssertionError(f"job {job_id} still running after {timeout} s: {self.jobs(job_id)}\n{self.logs()}")

@@ -31,7 +31,6 @@ CLI = [sys.executable, "-m", "longsft.train.cli"]
 NODES = ["node0", "node1", "node2"]
 # 2 x 2: one short stage (4 ranks share the 2 cores)
 SHORT = [*TEST_OVERRIDES[:-1], "stages=[{name: b, bucket: 1k, seq_len: 1024, max_steps: 2, every_steps: 2}]"]
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,7 @@ def wait_for_step(cluster, run_dir, job, stage, step, timeout=300):
     deadline = time.time() + timeout
     while steps_logged(run_dir, stage) < step:
         assert time.time() < deadline, f"no step {stage}/{step} after {timeout} s\n{cluster.logs()}"
-        assert cluster.job(job)["JobState"] not in ENDED, job_log(run_dir, job)
+        assert cluster.job(job)["JobState"] not in slurm_cluster.ENDED, job_log(run_dir, job)
         time.sleep(0.2)
 
 
