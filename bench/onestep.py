@@ -34,27 +34,35 @@ def one_sequence(cfg, seq: int, d, answer: int = ANSWER) -> dict:
     return make_batch([item], 0, d)[0]
 
 
-def zero3_engine(cfg, total_steps: int):
-    """The trainer's DeepSpeed engine for ``cfg`` on one rank (the HF config object kept alive with it)."""
+def zero3_engine(cfg, total_steps: int, world_size: int = 1):
+    """The trainer's DeepSpeed engine for ``cfg`` on ``world_size`` ranks, its model built as the trainer
+    builds it (``parallel.sp_size``'s attention; the HF config object kept alive with the engine)."""
     from transformers.integrations import HfDeepSpeedConfig
 
     from longsft.train.model.build import build_hf_config, build_model
     from longsft.train.training.engine import build_ds_config, build_engine
 
-    ds = build_ds_config(cfg, cfg.stages[0], 1, build_hf_config(cfg.model).hidden_size)
+    ds = build_ds_config(cfg, cfg.stages[0], world_size, build_hf_config(cfg.model).hidden_size)
     hf_ds = HfDeepSpeedConfig(ds)  # alive while the model is built: ZeRO-3 partitions as it loads
-    engine = build_engine(cfg, build_model(cfg.model), ds, total_steps)
+    model = build_model(cfg.model, seed=cfg.seed, sp_size=cfg.parallel.sp_size, packing=cfg.data.packing)
+    engine = build_engine(cfg, model, ds, total_steps)
     engine.hf_ds_config = hf_ds
     return engine
 
 
 def step(engine, cfg, batch) -> tuple[float, int]:
-    """One optimizer step (grad_accum 1) exactly as the trainer takes it; returns (loss sum, targets)."""
+    """One optimizer step (grad_accum 1) exactly as the trainer takes it; returns this rank's (loss sum,
+    targets). On several ranks the batch is one sequence split over them (an SP group, dp = 1)."""
     from longsft.train.model.loss import backward_scale, token_loss_sum
+    from longsft.train.parallel import comm
+    from longsft.train.parallel.attention import active
+    from longsft.train.training.step import keeps_attention
 
     m = cfg.model
-    loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)
-    engine.backward(loss * backward_scale(n, 1, 1))
+    with active(keep_attention=keeps_attention(m)):  # the sequence-parallel attention, when the model has it
+        loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)
+        n_global = comm.all_reduce([n])[0] if comm.active() else n
+        engine.backward(loss * backward_scale(n_global, engine.dp_world_size, 1))
     engine.step()
     return float(loss), n
 

@@ -1,0 +1,301 @@
+"""longsft against DeepSpeed's Arctic Long Sequence Training (ALST), side by side on CPU.
+
+    python bench/vs_alst.py [--lengths 16384 32768] [--rounds 3] [--impls torch ulysses alst] [--smoke]
+
+One torchrun job of 2 ranks per length (one thread each: the machine's 2 cores), one process group,
+one sequence with a 64-token answer split over both ranks (sp=2), the same model, seed and
+DeepSpeed config (ZeRO-3 with parameter and optimizer offload, DeepSpeed's CPU Adam, activation
+checkpointing per decoder layer, fp32). Each implementation gets its own engine built from the same
+seed; one warm-up step each, then ``--rounds`` interleaved rounds (the order rotates every round), so
+the machine's noise falls on all of them alike.
+
+- ``torch`` / ``ulysses``: longsft's own step (``bench/onestep.py``: ``token_loss_sum`` +
+  ``backward_scale``, as the trainer takes it) with ``parallel.sp_backend`` set to either;
+  ``+keep``: with ``model.keep_attention=true`` (the layers' recompute reuses their attention).
+- ``alst``: DeepSpeed 0.19's ALST wired as its tutorial shows: ``UlyssesSPAttentionHF`` registered
+  over transformers' ``sdpa`` with its ``mpu`` passed to ``deepspeed.initialize``, the batch sharded
+  by ``UlyssesSPDataLoaderAdapter`` (contiguous shards, pre-shifted labels), and the loss
+  all-gathered over the SP group weighted by each rank's target count. Its LM head runs on the
+  answer positions only (``logits_to_keep``), as longsft's does: a plain ``outputs.loss`` would
+  compute ``[tokens, vocab]`` logits for the whole prompt, which is not the comparison of interest.
+  ``--alst-tiled-mlp`` adds its ``TiledMLP`` (compare with longsft's ``model.mlp_tile_tokens``).
+
+Per step: wall seconds and CPU seconds (summed over ranks: steadier on a shared machine) and
+per-rank peak memory, the rise of VmHWM (reset through /proc/self/clear_refs before the step)
+over the RSS before it, max over ranks, with ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors
+leave the RSS. The first step's loss and gradient norm of every implementation must agree (they
+start from the same weights): the comparison is of the same computation. ``--sp1`` also runs
+longsft on one rank (the same model and length, the machine's 2 threads) for the sp=2 / sp=1
+per-rank memory ratio. Writes bench/results/vs_alst.json (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+import onestep  # noqa: E402
+
+# hidden 512, 4 layers, Qwen3 layout with its real vocabulary (tied): GQA 8 query / 2 KV heads
+WIDE = ["hidden_size=512", "intermediate_size=1536", "num_hidden_layers=4", "num_attention_heads=8",
+        "num_key_value_heads=2", "head_dim=64", "max_position_embeddings=131072"]
+COMMON = ["parallel.sp_size=2", "optim.grad_accum=1", "deepspeed.config=zero3_offload", "deepspeed.torch_adam=false",
+          "model.gradient_checkpointing=true", "model.dtype=fp32"]
+IMPLS = ("torch", "ulysses", "torch+keep", "ulysses+keep", "alst")  # +keep: model.keep_attention=true
+
+
+def _kib(key: str) -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+
+
+class Measured:
+    """One step's wall time, CPU time and peak RSS rise (KiB) of this process."""
+
+    def __enter__(self):
+        open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+        self.rss, self.wall, self.cpu = _kib("VmRSS"), time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        self.peak_kib = _kib("VmHWM") - self.rss
+
+
+def _alst_engine(cfg, seq: int, sp: int, tiled_mlp: bool):
+    """ALST's engine: the same model and DeepSpeed config, Ulysses over transformers' ``sdpa``."""
+    import dataclasses
+
+    import deepspeed
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, UlyssesSPAttentionHF
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from longsft.train.model.build import build_hf_config, build_model
+    from longsft.train.training.engine import build_ds_config
+
+    # with an mpu, or sequence_parallel_size in the config (zero.Init), DeepSpeed counts the batch over
+    # data-parallel ranks only (world / sp)
+    ds = build_ds_config(cfg, cfg.stages[0], int(os.environ["WORLD_SIZE"]) // sp, build_hf_config(cfg.model).hidden_size)
+    ds["sequence_parallel_size"] = sp
+    hf_ds = HfDeepSpeedConfig(ds)
+    model = build_model(dataclasses.replace(cfg.model, attn_implementation="sdpa"), seed=cfg.seed, sp_size=1)
+    if tiled_mlp:  # ALST's TiledMLP on each decoder MLP, shards as its docstring computes them
+        for layer in model.get_decoder().layers:
+            mlp = layer.mlp
+
+            def forward(x, mlp=mlp, whole=type(mlp).forward):
+                shards = max(1, -(-x.shape[1] // x.shape[2]))
+                params = [p for p in mlp.parameters()]
+                return TiledMLP.apply(whole, mlp, x, shards, params)
+
+            mlp.forward = forward
+    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=seq,
+                                                          seq_length_is_variable=True)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=mpu)
+    engine.hf_ds_config = hf_ds
+    return engine, mpu
+
+
+def _alst_batch(full: dict, mpu) -> dict:
+    """This rank's shard, as ALST's UlyssesSPDataLoaderAdapter makes it from an unshifted batch."""
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    labels = torch.cat([full["shift_labels"].new_full((1, 1), -100), full["shift_labels"][:, :-1]], dim=1)
+    sample = {"input_ids": full["input_ids"], "position_ids": full["position_ids"], "labels": labels}
+    loader = torch.utils.data.DataLoader([sample], batch_size=None)
+    adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=mpu.get_sequence_parallel_rank(),
+                                         sp_group=mpu.get_sequence_parallel_group(),
+                                         sp_world_size=mpu.get_sequence_parallel_world_size(), device="cpu")
+    return next(adapter)  # both ranks hand in the same sample: take the first of its sp shards
+
+
+def _alst_step(engine, mpu, batch) -> tuple[float, float]:
+    """ALST's tutorial loss: each rank's sum over its targets, all-gathered and token-weighted."""
+    import torch
+    import torch.distributed.nn.functional as dnnf
+    import torch.nn.functional as F
+
+    group = mpu.get_sequence_parallel_group()
+    targets = batch["shift_labels"]
+    keep = targets != -100
+    out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=keep,
+                 use_cache=False)
+    loss_sum = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]).float(), targets[keep], reduction="sum")
+    sums = dnnf.all_gather(loss_sum, group=group)
+    n = sum(dnnf.all_gather(keep.sum().float(), group=group))
+    loss = sum(sums) / n
+    engine.backward(loss)
+    engine.step()
+    return float(loss), float(engine.get_global_grad_norm() or 0.0)
+
+
+def worker(args) -> None:
+    import dataclasses
+
+    import torch
+
+    from longsft.train.config import load_config
+    from longsft.train.data.batching import collate
+    from longsft.train.data.encoding import Encoded, Meta
+    from longsft.train.model.build import build_hf_config
+    from longsft.train.parallel import comm, distributed
+    from longsft.train.parallel.layout import SP
+
+    sp = int(os.environ["WORLD_SIZE"])
+    cfg = load_config("tiny", [*COMMON, f"parallel.sp_size={sp}", f"stages.0.seq_len={args.seq}",
+                               *(f"model.config.{o}" for o in args.model), *args.longsft])
+    d = distributed.init(sp, sp_backend="torch")
+    vocab = build_hf_config(cfg.model).vocab_size
+    ids = torch.randint(0, vocab, (args.seq,), generator=torch.Generator().manual_seed(0)).tolist()
+    item = Encoded(Meta("b", "en", 4), ids, args.seq - onestep.ANSWER)
+    full = collate([item], 0)
+    impls = [i for i in args.impls if sp > 1 or i == "torch"]  # one rank: plain attention, nothing to keep
+    engines, batches, cfgs = {}, {}, {}
+    for impl in impls:
+        if impl == "alst":
+            engines[impl] = _alst_engine(cfg, args.seq, sp, args.alst_tiled_mlp)
+            batches[impl] = _alst_batch(full, engines[impl][1])
+        else:
+            cfgs[impl] = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, keep_attention="+keep" in impl))
+            engines[impl] = onestep.zero3_engine(cfgs[impl], total_steps=args.rounds + 1, world_size=sp)
+            batches[impl] = onestep.one_sequence(cfg, args.seq, d)
+
+    def run(impl: str) -> dict:
+        SP.backend = impl.split("+")[0] if impl != "alst" else SP.backend
+        with Measured() as m:
+            if impl == "alst":
+                loss, norm = _alst_step(*engines[impl], batches[impl])
+            else:
+                engine = engines[impl]
+                loss_sum, _ = onestep.step(engine, cfgs[impl], batches[impl])  # its loss: this rank's sum
+                norm = float(engine.get_global_grad_norm() or 0.0)
+                loss = comm.all_reduce([loss_sum])[0] / onestep.ANSWER
+        return {"wall": m.wall, "cpu": m.cpu, "peak_mib": m.peak_kib / 1024, "loss": loss, "grad_norm": norm}
+
+    first = {impl: run(impl) for impl in impls}  # warm-up: Adam's moments, kernels, allocator
+    rows = {impl: [] for impl in impls}
+    for r in range(args.rounds):
+        order = impls[r % len(impls):] + impls[:r % len(impls)]
+        for impl in order:
+            rows[impl].append(run(impl))
+    stats = comm.all_gather_objects({"first": first, "rows": rows})
+    if d.is_main:
+        out = {}
+        for impl in impls:
+            steps = [[s["rows"][impl][k] for s in stats] for k in range(args.rounds)]  # [round][rank]
+            out[impl] = {"wall": [max(x["wall"] for x in st) for st in steps],
+                         "cpu": [sum(x["cpu"] for x in st) for st in steps],
+                         "peak_mib": max(x["peak_mib"] for st in steps for x in st),
+                         "peak_mib_per_rank": [max(st[k]["peak_mib"] for st in steps) for k in range(sp)],
+                         "first_loss": first[impl]["loss"], "first_grad_norm": first[impl]["grad_norm"]}
+        ref = out[impls[0]]
+        for impl, r in out.items():  # the same weights, the same sequence: the same loss and gradients
+            for key in ("first_loss", "first_grad_norm"):
+                if abs(r[key] - ref[key]) > 1e-4 * abs(ref[key]):
+                    raise SystemExit(f"{impl} {key} {r[key]} differs from {impls[0]}'s {ref[key]}: not the same step")
+        Path(args.out).write_text(json.dumps({"seq": args.seq, "sp": sp, "impls": out}))
+    distributed.shutdown()
+
+
+def _job(seq: int, nproc: int, args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", __file__, "--worker",
+           "--seq", str(seq), "--rounds", str(args.rounds), "--out", str(out), "--impls", *args.impls,
+           "--model", *args.model]
+    if args.longsft:
+        cmd += ["--longsft", *args.longsft]
+    if args.alst_tiled_mlp:
+        cmd.append("--alst-tiled-mlp")
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)), MALLOC_MMAP_THRESHOLD_="65536",
+               DS_ACCELERATOR="cpu", TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                                         str(ROOT / ".cache" / "torch_extensions")))
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc:
+        sys.exit(f"job seq={seq} nproc={nproc} failed (rc {rc}); its output:\n{log.read_text()[-4000:]}")
+    log.unlink()
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def _med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--model", nargs="*", default=WIDE, help="model config overrides KEY=VALUE (default: hidden 512 x 4)")
+    ap.add_argument("--longsft", nargs="*", default=[], help="extra longsft run keys KEY=VALUE, e.g. model.mlp_tile_tokens=2048")
+    ap.add_argument("--alst-tiled-mlp", action="store_true", help="ALST with its TiledMLP")
+    ap.add_argument("--sp1", action="store_true", help="also longsft on one rank: the sp=2 / sp=1 memory ratio")
+    ap.add_argument("--smoke", action="store_true", help="a check of this script: the tiny model, 1K tokens, 1 round")
+    ap.add_argument("--out", default="vs_alst")
+    args = ap.parse_args()
+    if args.smoke:
+        args.lengths, args.rounds, args.model, args.out = [1024], 1, [], "vs_alst_smoke"
+    from machine import write_result
+
+    results = []
+    for seq in args.lengths:
+        tmp = ROOT / "bench" / "results" / f".vs_alst_{seq}.json"
+        row = _job(seq, 2, args, tmp)
+        if args.sp1:
+            row["sp1"] = _job(seq, 1, args, tmp)["impls"]["torch"]
+        results.append(row)
+        _report(results)
+    write_result(args.out, {"benchmark": "vs_alst", "model_overrides": args.model, "longsft_overrides": args.longsft,
+                            "alst_tiled_mlp": args.alst_tiled_mlp, "rounds": args.rounds, "common": COMMON,
+                            "goals": {"time_ratio": 0.85, "memory_ratio": 0.8, "sp2_over_sp1_memory": 0.6},
+                            "rows": results})
+
+
+def _report(results: list[dict]) -> None:
+    print("\n| tokens | impl | wall s/step | CPU s/step | peak MiB/rank | time / ALST (wall, CPU) | memory / ALST "
+          "| first loss | first grad norm |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in results:
+        alst = row["impls"].get("alst")
+        for impl, r in row["impls"].items():
+            if alst and impl != "alst":
+                r["time_ratio"] = [a / b for a, b in zip(r["wall"], alst["wall"])]
+                r["cpu_ratio"] = [a / b for a, b in zip(r["cpu"], alst["cpu"])]
+                r["memory_ratio"] = r["peak_mib"] / alst["peak_mib"]
+                vs = (f"{statistics.median(r['time_ratio']):.2f} [{min(r['time_ratio']):.2f}-{max(r['time_ratio']):.2f}], "
+                      f"{statistics.median(r['cpu_ratio']):.2f}")
+                mem = f"{r['memory_ratio']:.2f}"
+            else:
+                vs = mem = "–"
+            print(f"| {row['seq']} | {impl} | {_med(r['wall'])} | {_med(r['cpu'])} | {r['peak_mib']:.0f} | {vs} | {mem} "
+                  f"| {r['first_loss']:.6f} | {r['first_grad_norm']:.6f} |")
+        if "sp1" in row:
+            row["sp2_over_sp1_memory"] = {i: r["peak_mib"] / row["sp1"]["peak_mib"] for i, r in row["impls"].items()}
+            print(f"| {row['seq']} | torch sp=1 | {_med(row['sp1']['wall'])} | {_med(row['sp1']['cpu'])} | "
+                  f"{row['sp1']['peak_mib']:.0f} | sp=2/sp=1 memory: " + ", ".join(
+                      f"{i} {v:.2f}" for i, v in row["sp2_over_sp1_memory"].items()) + " | | | |")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--worker", action="store_true")
+        ap.add_argument("--seq", type=int)
+        ap.add_argument("--rounds", type=int)
+        ap.add_argument("--out")
+        ap.add_argument("--impls", nargs="+")
+        ap.add_argument("--model", nargs="*", default=[])
+        ap.add_argument("--longsft", nargs="*", default=[])
+        ap.add_argument("--alst-tiled-mlp", action="store_true")
+        worker(ap.parse_args())
+    else:
+        main()
