@@ -9,7 +9,7 @@ import torch
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import encode_all
 from longsft.train.data.schema import load_samples
-from longsft.train.model.loss import token_loss_sum
+from longsft.train.model.loss import FUSED_LOSS, token_loss_sum
 
 
 def _grads(model, batch, **kw):
@@ -91,6 +91,82 @@ def test_the_chunked_loss_caps_logits_as_the_model_does():
         assert n == 13 and got.item() == pytest.approx(want.item(), rel=1e-5), kw
 
 
+@pytest.mark.parametrize("n, chunk", [(4, 0), (4, 3), (20, 7)])  # more than hidden / 2 rows: recomputed
+def test_a_tied_head_gradient_deferred_to_the_embedding_equals_autograd(n, chunk):
+    """HeadCrossEntropy leaves the tied weight's head share for the embedding's backward to add: the
+    weight gradient equals plain autograd's (lookup + head), the padding row's head share included."""
+    import torch.nn.functional as F
+
+    from longsft.train.model.tied_head import Deferred, HeadCrossEntropy, defer_into_embedding
+
+    torch.manual_seed(0)
+    V, H, pad = 50, 8, 3
+    emb = torch.nn.Embedding(V, H, padding_idx=pad)
+    head = type("Tied", (torch.nn.Module,), {"get_input_embeddings": lambda self: emb})()
+    proj = torch.randn(H, H)
+    ids = torch.randint(0, V, (2, 16))
+    ids[0, :4] = pad  # padding: no gradient from the lookup
+    targets = ids.reshape(-1)[-n:].clone()
+    targets[0] = pad  # ... but the head's share for its row
+
+    def run(deferred):
+        emb.weight.grad = None
+        if deferred is not None:
+            defer_into_embedding(head, deferred)
+        x = emb(ids)
+        h = torch.tanh(x @ proj).reshape(-1, H)[-n:]  # [n, H]: the decoder's last hidden states
+        loss = F.cross_entropy(h @ emb.weight.t(), targets, reduction="sum") if deferred is None else \
+            HeadCrossEntropy.apply(h, emb.weight, targets, chunk or n, deferred)
+        loss.backward()
+        return loss.item(), emb.weight.grad.clone()
+
+    want_loss, want = run(None)
+    deferred = Deferred()
+    got_loss, got = run(deferred)
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
+    assert got[pad].abs().sum() > 0 and not deferred.parts  # the head's share of the padding row; all folded
+
+
+def test_no_dense_tied_head_gradient_while_the_layers_run_backward():
+    """The point of deferring: at each decoder layer's backward the tied head's [V, H] gradient does not
+    exist yet (live tensors counted as the planner counts them); gradients equal the plain path's."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from longsft.train.common.compat import storage_id
+    from longsft.train.model.loss import attach_fused_loss
+    from longsft.train.plan import _LiveBytes
+
+    V, H = 20000, 256  # 23 target rows: their dlogits (kept, 23 / 256 of [V, H]) wait instead of [V, H]
+    cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, tie_word_embeddings=True, use_cache=False)
+    ids = torch.randint(0, V, (1, 64), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[0, 40:63] = ids[0, 41:]
+    batch = {"input_ids": ids, "position_ids": torch.arange(64)[None], "shift_labels": labels}
+
+    def run(defer: bool):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg).train()
+        if defer:
+            attach_fused_loss(model, "tied")
+        at_layers = []
+        live = _LiveBytes({storage_id(p.untyped_storage()) for p in model.parameters()})
+        hooks = [layer.register_full_backward_pre_hook(lambda *_: at_layers.append(live.now)) for layer in
+                 model.model.layers]
+        with live:
+            loss, _ = token_loss_sum(model, batch)
+            loss.backward()
+        for h in hooks:
+            h.remove()
+        return min(at_layers), model.get_input_embeddings().weight.grad
+
+    plain_live, plain_grad = run(False)
+    live, grad = run(True)
+    assert plain_live - live > 0.9 * (V * H - 23 * V) * 4, (plain_live, live)  # fp32 [V, H] less the dlogits
+    assert ((grad - plain_grad).norm() / plain_grad.norm()).item() < 1e-5
+
+
 def test_negative_chunk_is_refused():
     from longsft.train.common.errors import ConfigError
     from longsft.train.config import load_config, validate
@@ -121,6 +197,44 @@ def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokeniz
         for k, g in ref.items():
             err = ((got[k] - g).norm() / g.norm().clamp_min(1e-12)).item()
             assert err < 1e-4, (kw, k, err)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3", "Llama", "Qwen2", "Mistral", "Phi3", "Gemma"])
+def test_fused_swiglu_equals_the_model_s_own_mlp(arch):
+    """The SwiGLU MLPs (their class's forward is exactly down(silu(gate(x)) * up(x))) keep two tensors instead
+    of three, with the same output and gradients; other MLPs (Phi-3's fused gate_up, Gemma's GELU) are left
+    as they are."""
+    import transformers
+
+    from longsft.train.model.mlp import fuse_swiglu
+
+    cfg = getattr(transformers, f"{arch}Config")(hidden_size=16, intermediate_size=48, num_attention_heads=2,
+                                                 num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
+                                                 vocab_size=64, pad_token_id=0)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(1, 7, 16)
+
+    def run():
+        model.zero_grad()
+        xx = x.clone().requires_grad_()
+        out = mlp(xx)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out2 = mlp(xx)
+        (out * out2).sum().backward()
+        return out.detach(), xx.grad, [p.grad.clone() for p in mlp.parameters()]
+
+    saved = []
+    want = run()
+    plain, saved = sum(saved), []
+    assert fuse_swiglu(model) == (2 if arch in ("Qwen3", "Llama", "Qwen2", "Mistral") else 0)
+    got = run()
+    if arch in ("Phi3", "Gemma"):
+        return
+    assert sum(saved) == plain - 7 * 48  # one [tokens, intermediate] tensor fewer kept for the backward
+    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
@@ -158,7 +272,8 @@ def test_the_loss_keeps_no_layer_output_alive(tiny_model_dir, sample_dir, tokeni
         alive_at_head.append(sum(ref() is not None for ref in outputs))
 
     hooks = [layer.register_forward_hook(remember) for layer in model.model.layers]
-    hooks.append(model.get_output_embeddings().register_forward_pre_hook(count))
+    head = getattr(model, FUSED_LOSS, None) or model.get_output_embeddings()  # the tied head's loss module
+    hooks.append(head.register_forward_pre_hook(count))
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
         loss, _ = token_loss_sum(model, batch, chunk_tokens=64)
     for h in hooks:

@@ -63,6 +63,11 @@ class ModelConfig:
     # Run each decoder layer's MLP this many tokens at a time, each tile checkpointed (0: whole
     # sequence): the [tokens, intermediate] tensors of a layer's backward shrink to one tile's.
     mlp_tile_tokens: int = 0
+    # With gradient checkpointing and parallel.sp_size > 1: keep each layer's attention output and
+    # log-sum-exp from the forward, so the layer's recompute in the backward runs neither the
+    # attention kernels nor the ring / all-to-all again (faster; one more [tokens, heads * head_dim]
+    # tensor per layer stays on the device, counted by longsft plan).
+    keep_attention: bool = False
 
 
 @dataclass

@@ -9,8 +9,10 @@ The peak is the resident state plus the largest of three working sets (bytes per
   gradient, 0 with ``offload_optimizer``), ``optimizer`` (fp32 master and Adam's moments, ditto);
 - the ``loss`` phase: the LM head gathered and its full gradient, the layers' kept activations,
   one loss chunk's logits, fp32 copy, log-softmax and gradient (Liger: its own chunk);
-- the ``layers`` phase: the head kept gathered for a tied embedding, one layer's weights, the
-  decoder stack's activation peak, ring attention's accumulators and K/V blocks (sp > 1);
+- the ``layers`` phase: the head kept gathered for a tied embedding (and its dense gradient, unless
+  the torch loss defers it to the embedding's backward: then the rows it is made of), one layer's
+  weights, the decoder stack's activation peak (with ``model.keep_attention``, each layer's kept
+  attention output), ring attention's accumulators and K/V blocks (sp > 1);
 - the ``embedding`` phase: the embedding gathered and its full gradient;
 - the ``validation`` phase (stages that validate): ``generate`` on the whole, unsplit validation
   prompt on every rank: its KV cache and the prefill's traced working set, one layer gathered;
@@ -49,7 +51,10 @@ from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import read_json
 from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig
 from longsft.train.data.token_cache import host_bytes
-from longsft.train.model.build import build_hf_config, tile_mlps
+from longsft.train.model.build import build_hf_config
+from longsft.train.model.loss import logit_softcap
+from longsft.train.model.mlp import fuse_swiglu, tile_mlps
+from longsft.train.model.tied_head import deferrable, keeps_dlogits
 from longsft.train.training.engine import build_ds_config
 
 GIB = 2**30
@@ -103,6 +108,8 @@ class Shape:
     layer_params: int  # one decoder layer
     largest_module: int  # largest single weight (embedding or LM head, usually)
     persistent: int  # parameters below ZeRO-3's persistence threshold (kept whole on every rank)
+    tied: bool = False  # the LM head shares the input embedding's weight
+    deferrable: bool = False  # and its gradient can wait for the embedding's backward (model/tied_head.py)
     hf: object = field(default=None, repr=False)  # the HF config (traced for activations)
     traces: dict = field(default_factory=dict, repr=False)  # (tokens, settings) -> traced bytes
 
@@ -285,6 +292,7 @@ def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
     model.train()
     if m.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    fuse_swiglu(model)  # as build_model does
     if m.mlp_tile_tokens:
         tile_mlps(model, m.mlp_tile_tokens)
     for p in model.parameters():
@@ -345,7 +353,9 @@ def model_shape(cfg: RunConfig) -> Shape:
         vocab=hf.vocab_size, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, intermediate=hf.intermediate_size,
         params=n1 + (hf.num_hidden_layers - 1) * per_layer, layer_params=per_layer, largest_module=largest,
-        persistent=outer_small + hf.num_hidden_layers * layer_small, hf=hf)
+        persistent=outer_small + hf.num_hidden_layers * layer_small,
+        tied=one.get_output_embeddings().weight is one.get_input_embeddings().weight,
+        deferrable=deferrable(one) and logit_softcap(one) is None, hf=hf)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -396,6 +406,9 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
 
     # activations: traced peak over the decoder stack (one layer, plus each further layer's share)
     stack, kept = stack_activations(shape, cfg.model, t)  # kept: alive from the forward's end on
+    if cfg.model.keep_attention and cfg.model.gradient_checkpointing and sp > 1:
+        # each layer's attention output and fp32 log-sum-exp, kept from its forward to its recompute
+        stack, kept = stack + L * t * (h * d * b + 4 * h), kept + L * t * (h * d * b + 4 * h)
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
         off = L * t * H * b  # checkpointed layer inputs wait in host memory
         stack, kept, host = stack - off, kept - off, host + off
@@ -424,11 +437,18 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     big_grad = big * (2 if z["offload_optimizer"] else 1)
     if cfg.model.loss_kernel == "liger":  # its weight gradient accumulates in fp32, then is cast
         loss += V * H * 4
+    # a tied head's dense gradient waits in autograd for the embedding's through the whole backward,
+    # unless it is deferred (torch loss): then what makes it waits, the target rows' hidden states
+    # and logit gradients (or, past H rows, what recomputes them)
+    deferred = shape.deferrable and cfg.model.loss_kernel == "torch"
+    head_grad = 0 if deferred else big_grad
+    held = (rows * H * b + (rows * V * b if keeps_dlogits(rows, H) else rows * 8)) if deferred else \
+        (big_grad if shape.tied else 0)
     e.phases = {
-        "loss": {"gathered": big, "weight_grad": big_grad, "activations": kept, "loss": loss, "comm": comm,
+        "loss": {"gathered": big, "weight_grad": head_grad, "activations": kept, "loss": loss, "comm": comm,
                  "reuse": reuse},
         # the head stays gathered for its reuse by a tied embedding (stage3_max_reuse_distance)
-        "layers": {"gathered": big + b * shape.layer_params, "weight_grad": 0, "activations": stack,
+        "layers": {"gathered": big + b * shape.layer_params, "weight_grad": held, "activations": stack,
                    "attention": ring, "comm": comm, "reuse": reuse},
         "embedding": {"gathered": big, "weight_grad": big_grad, "activations": t * H * b, "comm": comm},
     }
@@ -461,6 +481,8 @@ def advice(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targe
             tries.append({"parallel.sp_size": sp})
     if not cfg.model.gradient_checkpointing:
         tries.append({"model.gradient_checkpointing": True})
+    if cfg.model.keep_attention:
+        tries.append({"model.keep_attention": False})
     tries += [{"deepspeed.offload_optimizer": True}, {"deepspeed.offload_param": True},
               {"model.offload_activations": True}]
     if not cfg.model.loss_chunk_tokens or cfg.model.loss_chunk_tokens > 1024:

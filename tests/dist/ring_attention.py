@@ -3,6 +3,8 @@
     torchrun --nproc_per_node=N tests/dist/ring_attention.py OUT.json
 
 Writes the max relative error of the output and of dQ/dK/dV per (backend, dtype, seq_len, heads) case.
+Unpacked fp32 cases also run as a checkpointed layer with and without ``model.keep_attention``
+(``kept``), counting the forward kernel calls of the forward plus the recompute.
 """
 
 import json
@@ -11,16 +13,34 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
 
 
+def forward_kernels(fn) -> int:
+    """How many fused attention forward kernels ``fn()`` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
 def main(out_path: str) -> None:
     from longsft.train.parallel import comm
     from longsft.train.parallel import distributed
-    from longsft.train.parallel.attention import active, setup
+    from longsft.train.parallel.attention import BACKENDS, _attend, active, setup
+    from longsft.train.parallel.layout import SP
     from longsft.train.parallel.ring_flash import ring_flash_attention
     from longsft.train.parallel.ulysses import ulysses_attention
     from longsft.train.parallel.layout import zigzag_index
@@ -72,6 +92,26 @@ def main(out_path: str) -> None:
         worst = comm.all_gather_objects(errs)
         results.append({"backend": backend, "packed": bool(docs), "dtype": str(dtype), "seq": seq, "heads": heads, "kv_heads": kv_heads,
                         **{k: max(w[k] for w in worst) for k in errs}})
+        if docs or dtype != torch.float32 or backend == "ring_flash_attn":
+            continue
+        for keep in (False, True):  # a checkpointed layer: its recompute reuses the forward's attention
+            layer = torch.nn.Module()
+            ql, kl, vl = (t[:, :, idx].requires_grad_() for t in (q, k, v))
+
+            def step():
+                with active(keep_attention=keep):
+                    out = checkpoint(
+                        lambda *qkv: _attend(layer, BACKENDS[backend], *qkv, None) * 2, ql, kl, vl, use_reentrant=False)
+                    out.backward(dout[:, :, idx])
+                    assert not SP.kept, "kept attention outlived its recompute"
+
+            calls = forward_kernels(step)
+            errs = {"dq": rel(ql.grad, 2 * qr.grad[:, :, idx]), "dk": rel(kl.grad, 2 * kr.grad[:, :, idx]),
+                    "dv": rel(vl.grad, 2 * vr.grad[:, :, idx])}
+            worst = comm.all_gather_objects(errs)
+            results.append({"backend": backend, "packed": False, "dtype": str(dtype), "seq": seq, "heads": heads,
+                            "kv_heads": kv_heads, "kept": keep, "forward_kernels": calls,
+                            **{k: max(w[k] for w in worst) for k in errs}})
     if d.is_main:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

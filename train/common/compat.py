@@ -139,6 +139,18 @@ def storage_id(storage) -> int:
         raise unsupported("torch", "UntypedStorage._cdata is missing (the planner counts storages by it)") from None
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass in this thread, as when a checkpoint
+    recomputes a layer (``torch._C._current_graph_task_id``, which torch.utils.checkpoint reads too)."""
+    import torch
+
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:
+        raise unsupported("torch", "torch._C._current_graph_task_id is missing (model.keep_attention needs it)") \
+            from None
+
+
 # -------------------------------------------------------------------------------------- DeepSpeed
 
 
@@ -149,6 +161,22 @@ def zero3_full_state_dict(engine) -> dict | None:
         raise unsupported("deepspeed", "DeepSpeedEngine._zero3_consolidated_16bit_state_dict is missing "
                                        "(longsft exports the best checkpoint through it)")
     return gather()
+
+
+def skip_inference_comm_build() -> None:
+    """Keep ``deepspeed.init_distributed`` from JIT-compiling its shared-memory comm op on CPU (about a
+    minute on every fresh extension cache); only inference all-reduce uses it, training never does.
+    Marks the op incompatible in ``deepspeed.ops.__compatible_ops__``, which ``comm/torch.py``
+    ``build_shm_op`` reads before building."""
+    import deepspeed.ops
+
+    try:
+        ops = deepspeed.ops.__compatible_ops__
+    except AttributeError:
+        raise unsupported("deepspeed", "deepspeed.ops.__compatible_ops__ is missing") from None
+    if "deepspeed_shm_comm" not in ops:
+        raise unsupported("deepspeed", "deepspeed.ops.__compatible_ops__ has no deepspeed_shm_comm entry")
+    ops["deepspeed_shm_comm"] = False
 
 
 # ----------------------------------------------------------------------------------- transformers

@@ -12,8 +12,9 @@ from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import cache_dir, weights_source
 from longsft.train.config import ModelConfig
-from longsft.train.model.loss import attach_fused_loss
-from longsft.train.parallel import comm
+from longsft.train.model.loss import attach_fused_loss, logit_softcap
+from longsft.train.model.mlp import fuse_swiglu, tile_mlps
+from longsft.train.model.tied_head import deferrable
 from longsft.train.parallel.attention import ATTN_NAME
 
 # Compact ChatML (what Qwen3 uses) for tokenizers that ship without a chat template.
@@ -145,37 +146,15 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     model.train()
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    fuse_swiglu(model)  # before tiling: the tiles run the fused MLP
     if cfg.mlp_tile_tokens:
         tile_mlps(model, cfg.mlp_tile_tokens)
     if cfg.loss_kernel == "liger":
         attach_fused_loss(model)
+    elif deferrable(model) and logit_softcap(model) is None and model.get_input_embeddings().weight.requires_grad:
+        attach_fused_loss(model, "tied")  # the head's weight gradient waits for the embedding's backward
     model.config.use_cache = False
     return model
-
-
-def tile_mlps(model, tile: int) -> None:
-    """Run every decoder layer's MLP ``tile`` tokens at a time, each tile checkpointed.
-
-    The MLP is position-wise, so tiles give the same result; in the backward only one tile's
-    gate/up/activation tensors ([tile, intermediate]) exist at a time. The module tree and its
-    parameter names stay as they are (checkpoints are unchanged): only the instance's forward is
-    replaced. Under ZeRO-3 each call gathers the MLP's weights, a collective: every rank makes
-    the same number of calls (the most tiles any rank needs; empty tiles where it has fewer).
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.get_decoder().layers:
-        mlp = layer.mlp
-        whole = mlp.forward
-
-        def forward(x: torch.Tensor, whole=whole) -> torch.Tensor:  # x [batch, seq, hidden]
-            if not torch.is_grad_enabled():
-                return whole(x)
-            n = comm.max_over_ranks(-(-x.shape[1] // tile))
-            return torch.cat([checkpoint(whole, x[:, i * tile:(i + 1) * tile], use_reentrant=False)
-                              for i in range(max(1, n))], dim=1)
-
-        mlp.forward = forward
 
 
 # rope types whose frequencies follow the largest position a forward sees: under sequence

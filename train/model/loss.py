@@ -17,6 +17,11 @@ forward *and* again for its backward, where the weight's full gradient is accumu
 around the forward call alone leaves a 0-element partition there: "size of tensor a (0) must match").
 Every rank calls it once per micro-step, one ignored row where it has no target (Liger's chunking
 divides by zero for none), because the gathers are collectives.
+A head tied to the input embedding (``build_model`` attaches it when the model allows:
+:func:`~longsft.train.model.tied_head.deferrable`) runs as the same kind of module with the
+``tied`` kind: :class:`~longsft.train.model.tied_head.HeadCrossEntropy` in chunks of
+``loss_chunk_tokens`` (all targets at once for 0), whose weight gradient the embedding's backward
+adds, so no dense head gradient is alive while the decoder layers run their backward.
 ``model.offload_activations`` keeps the tensors saved for backward (with gradient checkpointing:
 each layer's input) in CPU memory during the forward.
 
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longsft.train.data.encoding import IGNORE
+from longsft.train.model.tied_head import Deferred, HeadCrossEntropy, defer_into_embedding
 from longsft.train.parallel import comm
 
 
@@ -66,17 +72,21 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
               position_ids=batch["position_ids"], use_cache=False)
     saved = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_activations \
         else nullcontext()
+    base = getattr(model, "module", model)
+    fused = getattr(base, FUSED_LOSS, None)
+    tied = fused if kernel == "torch" and getattr(fused, "kind", None) == "tied" else None  # attach_fused_loss
     with saved:
-        if chunk_tokens <= 0 and kernel == "torch":
+        if chunk_tokens <= 0 and kernel == "torch" and tied is None:
             out = model(**kw, logits_to_keep=keep)
             logits = out.logits.reshape(-1, out.logits.shape[-1]).float()  # [n_targets, vocab]
             loss = F.cross_entropy(logits, targets[keep], reduction="sum")
         else:
-            base = getattr(model, "module", model)
             out = model(**kw, logits_to_keep=torch.zeros_like(keep), output_hidden_states=LAST_HIDDEN_STATE)
             hidden = out.hidden_states[-1][keep]  # [n_targets, hidden]: the final (normed) hidden states
             if kernel == "liger":
                 loss = fused_head_loss(base)(hidden, targets[keep])
+            elif tied is not None:
+                loss = tied(hidden, targets[keep], chunk_tokens)
             else:
                 loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[keep], chunk_tokens,
                                              logit_softcap(base))
@@ -112,39 +122,55 @@ def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: 
     return total
 
 
-FUSED_LOSS = "longsft_fused_head_loss"  # the attribute build_model gives the model for model.loss_kernel=liger
+FUSED_LOSS = "longsft_fused_head_loss"  # the attribute build_model gives the model for a HeadLoss
 
 
 class FusedHeadLoss(torch.nn.Module):
-    """sum CE(head(hidden), targets) by Liger's fused linear cross-entropy; hidden [n, H], targets [n].
+    """sum CE(head(hidden), targets); hidden [n, H], targets [n]. ``kind``:
+
+    - ``liger``: Liger's fused linear cross-entropy (``model.loss_kernel=liger``, GPU);
+    - ``tied``: :class:`~longsft.train.model.tied_head.HeadCrossEntropy`, for a head tied to the
+      input embedding: no ``[V, H]`` gradient during the backward, the embedding's backward adds it.
 
     A module of the model without parameters of its own: the head weight stays the LM head's (its
     name and checkpoints unchanged); under ZeRO-3 it is this module's external parameter, so it is
     gathered for this module's forward and for its backward.
     """
 
-    def __init__(self, head: torch.nn.Linear):
+    def __init__(self, head: torch.nn.Linear, kind: str = "liger"):
         super().__init__()
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
         self._head = (head,)  # a tuple: not a submodule, so the head is not registered twice
-        # fp32 accumulation of the weight gradient over Liger's chunks (its default is the weight dtype)
-        self.kernel = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", accum_dtype=torch.float32)
+        self.kind = kind
+        if kind == "liger":
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # fp32 accumulation of the weight gradient over Liger's chunks (its default is the weight dtype)
+            self.kernel = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum",
+                                                           accum_dtype=torch.float32)
+        else:
+            self.deferred = Deferred()
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         weight = self._head[0].weight
         if hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
             raise RuntimeError("the fused loss's head weight is partitioned by ZeRO-3 but not registered with it "
                                "(register_fused_loss after deepspeed.initialize)")
+        if self.kind == "tied":
+            return HeadCrossEntropy.apply(hidden, weight, targets, chunk if chunk > 0 else max(1, hidden.shape[0]),
+                                          self.deferred)
         if hidden.shape[0] == 0:  # Liger divides by zero for no rows: one ignored row (loss 0, zero gradients)
             hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
             targets = torch.cat([targets, targets.new_full((1,), IGNORE)])
         return self.kernel(weight, hidden, targets).float()
 
 
-def attach_fused_loss(model) -> None:
-    """Give ``model`` its :class:`FusedHeadLoss` (before ``deepspeed.initialize``, which hooks every module)."""
-    model.add_module(FUSED_LOSS, FusedHeadLoss(model.get_output_embeddings()))
+def attach_fused_loss(model, kind: str = "liger") -> None:
+    """Give ``model`` its :class:`FusedHeadLoss` (before ``deepspeed.initialize``, which hooks every
+    module); ``tied`` also makes the input embedding's backward take the head's deferred gradient."""
+    fused = FusedHeadLoss(model.get_output_embeddings(), kind)
+    model.add_module(FUSED_LOSS, fused)
+    if kind == "tied":
+        defer_into_embedding(model, fused.deferred)
     register_fused_loss(model)
 
 
@@ -162,7 +188,7 @@ def register_fused_loss(model) -> None:
 
 def fused_head_loss(model) -> FusedHeadLoss:
     fused = getattr(model, FUSED_LOSS, None)
-    if fused is None:
+    if fused is None or fused.kind != "liger":
         raise RuntimeError("model.loss_kernel=liger needs the model built with it (build_model attaches the fused "
                            "loss module before DeepSpeed hooks the model)")
     return fused

@@ -19,10 +19,11 @@ import contextlib
 
 import torch
 
+from longsft.train.common.compat import in_backward
 from longsft.train.parallel.layout import SP
-from longsft.train.parallel.ring import zigzag_ring_attention
+from longsft.train.parallel.ring import zigzag_ring
 from longsft.train.parallel.ring_flash import ring_flash_attention, ring_flash_module
-from longsft.train.parallel.ulysses import per_document_attention, ulysses_attention
+from longsft.train.parallel.ulysses import per_document_attention, ulysses
 
 ATTN_NAME = "longsft_sp"
 
@@ -41,16 +42,20 @@ def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
 
 
 @contextlib.contextmanager
-def active(enabled: bool = True, doc_ids: torch.Tensor | None = None):
+def active(enabled: bool = True, doc_ids: torch.Tensor | None = None, keep_attention: bool = False):
     """Inside: attention layers expect zigzag-sharded sequences (and, with ``doc_ids``, packed
-    documents that must not see each other)."""
-    prev = SP.active, SP.doc_ids
+    documents that must not see each other). ``keep_attention``: the layers are checkpointed, and
+    what each one's attention computed is kept for its recompute (``model.keep_attention``); wrap one
+    forward and its backward."""
+    prev = SP.active, SP.doc_ids, SP.keep_attention
     SP.active = enabled and (SP.size > 1 or doc_ids is not None)
-    SP.doc_ids = doc_ids
+    SP.doc_ids, SP.keep_attention = doc_ids, keep_attention
+    SP.kept.clear()
     try:
         yield
     finally:
-        SP.active, SP.doc_ids = prev
+        SP.active, SP.doc_ids, SP.keep_attention = prev
+        SP.kept.clear()
 
 
 def sp_mask(**kwargs):
@@ -80,7 +85,26 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if SP.size == 1:  # packed documents on one rank
         out = per_document_attention(query, key, value, scaling, SP.doc_ids)
     else:
-        attend = {"ulysses": ulysses_attention, "ring_flash_attn": ring_flash_attention}.get(
-            SP.backend, zigzag_ring_attention)
-        out = attend(query, key, value, scaling, SP.doc_ids)
+        out = _attend(module, BACKENDS.get(SP.backend, zigzag_ring), query, key, value, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_flash(q, k, v, scale, doc_ids, kept=None):
+    return ring_flash_attention(q, k, v, scale, doc_ids), None  # its kernels' state is not ours to keep
+
+
+BACKENDS = {"torch": zigzag_ring, "ulysses": ulysses, "ring_flash_attn": _ring_flash}
+
+
+def _attend(module, attend, q, k, v, scale):
+    """One layer's sequence-parallel attention. With :attr:`SP.keep_attention` (gradient checkpointing),
+    what its forward computed is kept for the checkpoint's recompute of the layer, which then runs
+    neither the attention kernels nor their communication again."""
+    if not (SP.keep_attention and torch.is_grad_enabled()):
+        return attend(q, k, v, scale, SP.doc_ids)[0]
+    if in_backward():  # the checkpoint recomputing this layer inside the backward
+        return attend(q, k, v, scale, SP.doc_ids, kept=SP.kept.pop(module, None))[0]
+    out, kept = attend(q, k, v, scale, SP.doc_ids)
+    if kept is not None:
+        SP.kept[module] = kept
+    return out

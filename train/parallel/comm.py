@@ -85,16 +85,34 @@ def all_to_all(send: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def ring_shift(tensors: list[torch.Tensor], ranks: Sequence[int], rank_index: int, group) -> list[torch.Tensor]:
-    """Send ``tensors`` to the next rank of ``ranks`` and receive the previous rank's (global ranks, ring order)."""
+class Pending:
+    """Tensors on their way from the previous ring rank; :meth:`wait` returns them once arrived."""
+
+    def __init__(self, works: list, send: list[torch.Tensor], recv: list[torch.Tensor]):
+        self.works, self.send, self.recv = works, send, recv  # send: alive until the transfer is done
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        self.send = []
+        return self.recv
+
+
+def ring_shift_start(tensors: list[torch.Tensor], ranks: Sequence[int], rank_index: int, group) -> Pending:
+    """Start sending ``tensors`` to the next rank of ``ranks`` and receiving the previous rank's
+    (global ranks, ring order); compute may go on until :meth:`Pending.wait`. ``tensors`` must not
+    change before then."""
     n = len(ranks)
     nxt, prv = ranks[(rank_index + 1) % n], ranks[(rank_index - 1) % n]
     send = [_checked(t.contiguous(), group, "ring block") for t in tensors]
     recv = [torch.empty_like(t) for t in send]
     ops = [dist.P2POp(dist.isend, t, nxt, group) for t in send] + [dist.P2POp(dist.irecv, r, prv, group) for r in recv]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return recv
+    return Pending(dist.batch_isend_irecv(ops), send, recv)
+
+
+def ring_shift(tensors: list[torch.Tensor], ranks: Sequence[int], rank_index: int, group) -> list[torch.Tensor]:
+    """Send ``tensors`` to the next rank of ``ranks`` and receive the previous rank's (global ranks, ring order)."""
+    return ring_shift_start(tensors, ranks, rank_index, group).wait()
 
 
 def rank() -> int:

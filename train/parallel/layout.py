@@ -9,7 +9,7 @@ documents wants contiguous shards instead (:func:`layout`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,8 @@ class _State:
     active: bool = False
     doc_ids: torch.Tensor | None = None  # [batch, s_local] when documents are packed
     varlen: tuple = (None, None)  # (doc_ids, per-row llama3 cu_seqlens plans) of the current batch
+    keep_attention: bool = False  # model.keep_attention with gradient checkpointing (attention.active)
+    kept: dict = field(default_factory=dict)  # attention module -> what its forward computed, until recomputed
 
 
 SP = _State()

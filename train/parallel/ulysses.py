@@ -1,7 +1,7 @@
 """Backend ``ulysses``: DeepSpeed-Ulysses' scheme on longsft's zigzag shards.
 
-Each layer runs an all-to-all from sequence shards to head shards, a local causal SDPA over the
-whole sequence, and an all-to-all back. A fixed permutation puts the zigzag chunks in position
+Each layer runs an all-to-all from sequence shards to head shards, one fused causal kernel over the
+whole sequence (the ring's, :mod:`.kernels`), and an all-to-all back. A fixed permutation puts the zigzag chunks in position
 order. We implement it here instead of using DeepSpeed's ``UlyssesSPAttentionHF``, for three reasons:
 
 - that one replaces the process-wide ``sdpa`` entry of transformers' registry;
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from longsft.train.parallel import comm
+from longsft.train.parallel.kernels import block_kernel
 from longsft.train.parallel.layout import SP, spans, zigzag_index
 
 
@@ -68,27 +69,77 @@ def _heads_to_seq(x):
     return recv.transpose(0, 1).reshape(b, n * hl, S // n, d)
 
 
-def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention by head-splitting all-to-all (DeepSpeed-Ulysses' scheme) on zigzag shards.
+def _permutations(S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, to_pos): gathered slot -> position (rank order of zigzag chunks), and its inverse."""
+    order = torch.cat([zigzag_index(S, SP.size, r) for r in range(SP.size)]).to(device)
+    return order, torch.argsort(order)
+
+
+class _Ulysses(torch.autograd.Function):
+    """All-to-all to head shards, one fused causal kernel over the whole sequence, all-to-all back.
+
+    q [b, h, s, d], k/v [b, hk, s, d] (zigzag shards; hk divides over the group) -> out [b, h, s, d],
+    and the head-sharded output and log-sum-exp [b, h/sp, S(, d)] for ``kept``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, kernel, kept):
+        order, to_pos = _permutations(q.shape[2] * SP.size, q.device)
+        qf, kf, vf = (_seq_to_heads(t.contiguous())[:, :, to_pos].contiguous() for t in (q, k, v))
+        if kept is not None:  # a checkpoint's recompute: the forward's result, no kernel
+            out_f, lse_f = kept
+        else:
+            groups = 1 if kernel.gqa else qf.shape[1] // kf.shape[1]
+            out_f, lse_f = kernel.fwd(qf, kf.repeat_interleave(groups, 1) if groups > 1 else kf,
+                                      vf.repeat_interleave(groups, 1) if groups > 1 else vf, True, scale)
+        ctx.save_for_backward(qf, kf, vf, out_f, lse_f)
+        ctx.scale, ctx.kernel = scale, kernel
+        out = _heads_to_seq(out_f[:, :, order].contiguous())
+        ctx.mark_non_differentiable(out_f, lse_f)
+        return out, out_f, lse_f
+
+    @staticmethod
+    def backward(ctx, dout, _dout_f, _dlse_f):
+        qf, kf, vf, out_f, lse_f = ctx.saved_tensors
+        order, to_pos = _permutations(dout.shape[2] * SP.size, dout.device)
+        groups = 1 if ctx.kernel.gqa else qf.shape[1] // kf.shape[1]
+        kk = kf.repeat_interleave(groups, 1) if groups > 1 else kf
+        vv = vf.repeat_interleave(groups, 1) if groups > 1 else vf
+        dout_f = _seq_to_heads(dout.contiguous())[:, :, to_pos].contiguous()
+        dq, dk, dv = ctx.kernel.bwd(dout_f, qf, kk, vv, out_f, lse_f, True, ctx.scale)
+        if groups > 1:  # fold the repeated heads back onto their KV head
+            dk, dv = dk.unflatten(1, (-1, groups)).sum(2), dv.unflatten(1, (-1, groups)).sum(2)
+        back = (_heads_to_seq(t[:, :, order].contiguous()) for t in (dq, dk, dv))
+        return (*back, None, None, None)
+
+
+def ulysses(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None,
+            kept: tuple | None = None) -> tuple[torch.Tensor, tuple | None]:
+    """Causal attention by head-splitting all-to-all (DeepSpeed-Ulysses' scheme) on zigzag shards:
+    (out, kept).
 
     q [b, h, s_local, d]; k, v [b, hk, s_local, d]. After the all-to-all every rank holds the
     whole sequence for h/sp heads, in rank order of zigzag chunks; a fixed permutation restores
-    position order for plain causal SDPA and is undone afterwards. KV heads are repeated up to the
-    query heads only when they do not divide over the group.
+    position order for one fused causal kernel (:mod:`.kernels`: it takes grouped K/V heads as they
+    are) and is undone afterwards. KV heads are repeated up to the query heads only when they do not
+    divide over the group. ``kept``: the head-sharded output and log-sum-exp an earlier call on the
+    same q/k/v returned, when a checkpoint recomputes it (no kernel runs; packed documents: none kept).
     """
-    import torch.nn.functional as F
-
     n, h, hk = SP.size, q.shape[1], k.shape[1]
     if hk % n:
         k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
-    S = q.shape[2] * n
-    order = torch.cat([zigzag_index(S, n, r) for r in range(n)]).to(q.device)  # gathered slot -> position
-    to_pos = torch.argsort(order)
-    qf, kf, vf = (_AllToAll.apply(t.contiguous(), True)[:, :, to_pos] for t in (q, k, v))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
     if doc_ids is None:
-        out = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, scale=scale,
-                                             enable_gqa=kf.shape[1] != qf.shape[1])
-    else:
-        gathered = torch.cat(comm.all_gather(doc_ids, SP.group), dim=1)
-        out = per_document_attention(qf, kf, vf, scale, gathered[:, to_pos])
-    return _AllToAll.apply(out[:, :, order].contiguous(), False)
+        out, out_f, lse_f = _Ulysses.apply(q, k, v, scale, block_kernel(q.device.type, q.dtype), kept)
+        return out, (out_f, lse_f)
+    order, to_pos = _permutations(q.shape[2] * n, q.device)
+    qf, kf, vf = (_AllToAll.apply(t.contiguous(), True)[:, :, to_pos] for t in (q, k, v))
+    gathered = torch.cat(comm.all_gather(doc_ids, SP.group), dim=1)
+    out = per_document_attention(qf, kf, vf, scale, gathered[:, to_pos])
+    return _AllToAll.apply(out[:, :, order].contiguous(), False), None
+
+
+def ulysses_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`ulysses`'s output alone. [b, h, s_local, d]"""
+    return ulysses(q, k, v, scale, doc_ids)[0]

@@ -27,6 +27,11 @@ def n_targets(row: Row) -> int:
     return sum(len(e.input_ids) - max(e.prompt_len, 1) for e in row)
 
 
+def keeps_attention(m: ModelConfig) -> bool:
+    """Whether the sequence-parallel attention keeps its output for the checkpoint's recompute."""
+    return m.keep_attention and m.gradient_checkpointing
+
+
 def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
 
@@ -64,7 +69,7 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
     loss_sum, tokens, targets = 0.0, 0, []
     for k, idx in enumerate(micro):
         batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing)
-        with active(doc_ids=batch.pop("doc_ids", None)):
+        with active(doc_ids=batch.pop("doc_ids", None), keep_attention=keeps_attention(model_cfg)):
             loss, n = token_loss_sum(engine, batch, model_cfg.loss_chunk_tokens, model_cfg.offload_activations,
                                      model_cfg.loss_kernel)
             engine.backward(loss * scale)

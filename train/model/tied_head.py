@@ -1,0 +1,138 @@
+"""A tied LM head's weight gradient, deferred to the input embedding's backward.
+
+When the LM head shares its weight with the input embedding (Qwen3 up to 4B, Llama 3.2, SmolLM2),
+the head's ``[vocab, hidden]`` weight gradient is made by the backward's first op and the
+embedding's by its last. Autograd sums the two before the weight's gradient hook runs, so the
+head's dense gradient is held through the whole backward, on top of every recomputed layer (ZeRO-3
+cannot reduce it early either: the hook fires once, with the sum). For a 151,936-row vocabulary and
+hidden 512 that is 297 MiB in fp32 at the step's peak.
+
+Here the head's cross-entropy (:class:`HeadCrossEntropy`) returns no weight gradient. Its backward
+keeps what that gradient is made of, the target rows' hidden states with their logits' gradient
+(or, for more than H / 2 rows, what recomputes them), and the embedding's backward
+(:func:`defer_into_embedding`), where the weight is gathered again, adds it into the one dense
+gradient it builds anyway. The weight gradient is the same; it exists only at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class Deferred:
+    """The head's share of the tied weight's gradient, left by its backward for the embedding's.
+
+    Each part is ``(hidden [c, H], dlogits [c, V])``, or ``(hidden, targets [c], lse [c], g)`` to be
+    recomputed (one more head matmul): see :func:`keeps_dlogits`.
+    """
+
+    def __init__(self):
+        self.parts: list[tuple] = []
+
+    def fold_into(self, grad_w: torch.Tensor, weight: torch.Tensor) -> None:
+        """``grad_w += dlogitsᵀ @ hidden`` for every part, then forget them. grad_w, weight [V, H]."""
+        for part in self.parts:
+            h, dlogits = (part[0], part[1]) if len(part) == 2 else (part[0], _dlogits(part[0], weight, *part[1:]))
+            grad_w.addmm_(dlogits.t().to(grad_w.dtype), h.to(grad_w.dtype))
+        self.parts.clear()
+
+
+def keeps_dlogits(rows: int, hidden: int) -> bool:
+    """Whether the head's ``[rows, V]`` logit gradients are kept (made in the forward, as the plain path
+    keeps its logits, and waiting for the embedding's backward) rather than recomputed twice: while
+    they are at most half the ``[V, H]`` gradient they stand for (LongNovel's 64-token answers)."""
+    return 2 * rows <= hidden
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (h @ weight.t()).float()  # [c, V] fp32, as the model's head followed by .float()
+
+
+def _softmax_grad(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """d(sum CE)/d logits: softmax minus one-hot. [c, V] fp32 (in place of ``logits``)."""
+    p = logits.sub_(lse[:, None]).exp_()
+    p[torch.arange(len(targets), device=p.device), targets] -= 1
+    return p
+
+
+def _dlogits(h, weight, targets, lse, g) -> torch.Tensor:
+    """The logit gradients recomputed, times ``g``, in the weight's dtype. [c, V]"""
+    return (_softmax_grad(_logits(h, weight), targets, lse) * g).to(weight.dtype)
+
+
+class HeadCrossEntropy(torch.autograd.Function):
+    """sum CE(hidden @ weightᵀ, targets), ``chunk`` rows at a time; hidden [n, H], weight [V, H], targets [n].
+
+    Returns a 0-dim fp32 sum. The backward gives the hidden states their gradient and the weight
+    none: its share goes to ``deferred``, for the tied embedding's backward to add.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int, deferred: Deferred):
+        deferred.parts.clear()  # a backward that never reached the embedding (an error) left these
+        n = hidden.shape[0]
+        keep = keeps_dlogits(n, hidden.shape[1])
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        grads = []  # kept: each chunk's softmax gradient, [c, V] in the weight's dtype
+        for i in range(0, n, chunk):
+            logits, t = _logits(hidden[i:i + chunk], weight), targets[i:i + chunk]
+            lse[i:i + chunk] = torch.logsumexp(logits, -1)
+            total += (lse[i:i + chunk] - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if keep:
+                grads.append(_softmax_grad(logits, t, lse[i:i + chunk]).to(weight.dtype))
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk, ctx.deferred, ctx.grads = chunk, deferred, grads
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_h = torch.empty_like(hidden)
+        for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
+            h, t, s = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk], lse[i:i + ctx.chunk]
+            dlogits = ctx.grads[k].mul_(g.to(weight.dtype)) if ctx.grads else _dlogits(h, weight, t, s, g)
+            grad_h[i:i + ctx.chunk] = dlogits @ weight
+            ctx.deferred.parts.append((h, dlogits) if ctx.grads else (h, t, s, g))
+        ctx.grads = []
+        return grad_h, None, None, None, None
+
+
+class _Embedding(torch.autograd.Function):
+    """``F.embedding`` whose weight gradient also takes the tied head's deferred share."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, deferred: Deferred):
+        ctx.save_for_backward(ids, weight)
+        ctx.padding_idx, ctx.deferred = padding_idx, deferred
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, g):  # g [..., H]
+        ids, weight = ctx.saved_tensors
+        g = g.reshape(-1, weight.shape[1])
+        if ctx.padding_idx is not None:  # the padding row gets no gradient from the lookup (the head's it does)
+            g = g.masked_fill((ids.reshape(-1) == ctx.padding_idx)[:, None], 0)
+        grad_w = torch.zeros(weight.shape, dtype=g.dtype, device=g.device).index_add_(0, ids.reshape(-1), g)
+        ctx.deferred.fold_into(grad_w, weight)
+        return None, grad_w, None, None
+
+
+def deferrable(model) -> bool:
+    """The head shares the embedding's weight and the embedding is a plain lookup (no scaling
+    subclass, max_norm or frequency scaling) that :func:`defer_into_embedding` can take over."""
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    return (head is not None and type(emb) is torch.nn.Embedding and head.weight is emb.weight
+            and emb.max_norm is None and not emb.scale_grad_by_freq and not emb.sparse)
+
+
+def defer_into_embedding(model, deferred: Deferred) -> None:
+    """Make the input embedding's backward add ``deferred`` into its weight gradient. Only the
+    instance's forward changes (no wrapper module: parameter names and checkpoints stay)."""
+    emb = model.get_input_embeddings()
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:  # ids [batch, seq] -> [batch, seq, hidden]
+        return _Embedding.apply(ids, emb.weight, emb.padding_idx, deferred)
+
+    emb.forward = forward
