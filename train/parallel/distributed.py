@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from longsft.train.common.compat import skip_inference_comm_build
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import say
 from longsft.train.parallel import comm, netif
@@ -124,6 +125,9 @@ def setup_env() -> None:
     _die_with_launcher()
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # DeepSpeed's CPU accelerator counts its devices by running `numactl --hardware` on every call
+        # (once per gradient bucket) unless LOCAL_SIZE says it: the ranks on this node
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if "RANK" not in os.environ:  # plain `python launch/...`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -159,6 +163,8 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
                                           for h in dict.fromkeys(hosts)))
     import deepspeed
 
+    if backend == "gloo":
+        skip_inference_comm_build()
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))  # wraps the group
     d = Dist(rank=rank, local_rank=local_rank, dims=dims, device=device)
     for ranks in dims.sp_group_ranks():  # every rank creates every group, in the same order
