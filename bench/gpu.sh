@@ -24,12 +24,12 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit and record it
   timeout "$limit" "$@"
   printf '%s\t%s\t%s\n' "$name" "$?" "$((SECONDS - t0))" >> "$steps"
 }
-# limits add up to 7 minutes; each script rewrites its results file after every row, so a step that
+# limits add up to 7.25 minutes on one GPU; each script rewrites its results file after every row, so a step that
 # runs out of time keeps what it measured
 step checks 45 python3 bench/gpu_checks.py           # CUDA first contact: ring, NCCL device, Liger, memory
 step tiny 50 bash bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_1 1   # make demo's job on the GPU, 1 rank
 [ "$gpus" -lt 2 ] || step tiny_sp2 50 bash bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_2 2  # 2 ranks, sp=2
-step attention 45 python3 bench/gpu_attention.py     # ring block kernels vs SDPA, 16K-100K
+step attention 60 python3 bench/gpu_attention.py     # ring fwd+bwd (sp=1, sp=8 blocks) vs SDPA, 32K-128K, MFU
 step loss 50 python3 bench/gpu_loss.py               # Liger vs chunked vs naive, plain and ZeRO-3
 step train 150 python3 bench/gpu_train.py            # tokens/s, MFU both ways, memory vs planner
 step validation 80 python3 bench/gpu_validation.py   # the validation hook's generation speed

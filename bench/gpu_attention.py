@@ -1,15 +1,24 @@
-"""GPU: throughput of the `torch` SP backend's attention path vs plain SDPA, bf16, 16K-100K tokens.
+"""GPU: the `torch` SP backend's attention (forward + backward) vs one SDPA call, bf16, 32K-128K tokens.
 
-    python bench/gpu_attention.py            (one GPU; bench/gpu.sh runs it)
+    python bench/gpu_attention.py [--smoke]      (one GPU; bench/gpu.sh runs it; --smoke: CPU, tiny shapes)
 
-Shapes of one Qwen3-8B attention layer (32 query heads, 8 KV heads, head dim 128), batch 1.
-`sdpa` is torch's fused causal attention (forward + backward). `ring(sp=1)` is longsft's ring
-attention on one rank: the same fused kernels called through our own autograd function (block
-forward returning log-sum-exp, fp32 merge, block backward from the final out/lse), so the ratio
-is the overhead our path adds to each ring block. TFLOP/s counts causal attention as
-2 * 2 * s^2 * h * d / 2 forward and 2.5x that backward. Writes bench/results/gpu_attention.json.
+Shapes of one Qwen3-8B attention layer (32 query heads, 8 KV heads, head dim 128), batch 1, the
+same total tokens for every row:
+
+- ``sdpa``: torch's fused causal attention over the whole sequence on one GPU;
+- ``ring sp=1``: longsft's ring attention on one rank (its autograd function, block kernels
+  returning the log-sum-exp, fp32 merge, block backward from the final out/lse): what our path
+  adds to a kernel call;
+- ``ring sp=8``: the blocks an 8-rank zigzag ring computes, every rank's in turn on this one GPU
+  (no transfers: there is one GPU), with the ring's merges and backward: the kernels' efficiency
+  at the block sizes a node of 8 GPUs runs. On 8 GPUs each rank does 1/8 of this work at once.
+
+TFLOP/s counts causal attention as 2 * 2 * s^2 * h * d / 2 forward and 2.5x that backward; MFU is
+that rate over the GPU's data-sheet dense bf16 peak (machine.NOMINAL_BF16_TFLOPS), goal >= 45% at
+>= 32K. Writes bench/results/gpu_attention.json after every row.
 """
 
+import argparse
 import json
 import sys
 import time
@@ -20,58 +29,115 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+MFU_GOAL = 0.45
 
 
-def timed(fn, reps: int = 3) -> float:
+def timed(fn, reps: int):
+    """(median seconds of ``reps`` calls after a warm-up, the last call's result)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
-    torch.cuda.synchronize()
+    sync()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
+        result = fn()
+        sync()
         ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+    return sorted(ts)[len(ts) // 2], result
+
+
+def ring_blocks(q, k, v, dout, sp: int) -> torch.Tensor:
+    """Forward and backward of every rank's blocks of a zigzag ring of ``sp`` ranks, one rank after
+    another (each block's K/V taken from its source rank's shard instead of received). Returns dq."""
+    from longsft.train.parallel.kernels import block_bwd, block_fwd, block_kernel, merge
+    from longsft.train.parallel.layout import SP, zigzag_index
+    from longsft.train.parallel.ring import _plan
+
+    kernel, s = block_kernel(q.device.type, q.dtype), q.shape[2]
+    shards = [zigzag_index(s, sp, r).to(q.device) for r in range(sp)]
+    c, scale, saved = s // (2 * sp), q.shape[-1] ** -0.5, (SP.size, SP.rank)
+    dq = torch.empty_like(q)
+    try:
+        SP.size = sp
+        for r in range(sp):
+            SP.rank = r
+            ql, dl = q[:, :, shards[r]], dout[:, :, shards[r]]
+            out = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(ql.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+            blocks = []
+            for step in range(sp):
+                src = shards[(r - step) % sp]
+                qs, ks, causal, kk, vv, _ = _plan(step, c, 1, k[:, :, src], v[:, :, src], None, None)
+                blocks.append((qs, ks, causal, kk, vv))
+                bo, bl = block_fwd(kernel, ql[:, :, qs].contiguous(), kk, vv, causal, scale)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], bo, bl)
+            out = out.to(q.dtype)
+            dq_r = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
+            for qs, ks, causal, kk, vv in blocks:
+                g = block_bwd(kernel, dl[:, :, qs].contiguous(), ql[:, :, qs].contiguous(), kk, vv,
+                              out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale)
+                dq_r[:, :, qs] += g[0].float()  # dK/dV would travel home; their cost is in the kernel
+            dq[:, :, shards[r]] = dq_r.to(q.dtype)
+    finally:
+        SP.size, SP.rank = saved
+    return dq
 
 
 def main() -> None:
-    from machine import describe
+    from machine import describe, nominal_bf16_tflops
 
     from longsft.train.parallel.ring import zigzag_ring_attention
 
-    assert torch.cuda.is_available(), "needs a GPU"
-    h, hk, dh = 32, 8, 128
-    rows = []
-    for s in (16384, 32768, 65536, 102400):
-        q = torch.randn(1, h, s, dh, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(1, hk, s, dh, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn(1, hk, s, dh, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dout = torch.randn_like(q)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: a check of this script")
+    smoke = ap.parse_args().smoke
+    assert smoke or torch.cuda.is_available(), "needs a GPU (or --smoke)"
+    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    h, hk, dh = (4, 2, 16) if smoke else (32, 8, 128)
+    lengths, sps, reps = ([256, 512], [2], 1) if smoke else ([32768, 65536, 131072], [8], 2)
+    peak = None if smoke else nominal_bf16_tflops(torch.cuda.get_device_name(0))
+    rows, out = [], ROOT / "bench" / "results" / ("gpu_attention_smoke.json" if smoke else "gpu_attention.json")
+    for s in lengths:
+        g = torch.Generator(device=device).manual_seed(s)
+        q, k, v = (torch.randn(1, n, s, dh, device=device, dtype=dtype, generator=g) for n in (h, hk, hk))
+        dout = torch.randn(q.shape, device=device, dtype=dtype, generator=g)
+        qg = q.clone().requires_grad_()
+        flops = 2 * 2 * s * s * h * dh / 2 * 3.5
 
-        def sdpa():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+        def sdpa():  # -> dq
+            qg.grad = None
+            F.scaled_dot_product_attention(qg, k, v, is_causal=True, enable_gqa=True).backward(dout)
+            return qg.grad
 
         def ring():
-            zigzag_ring_attention(q, k, v).backward(dout)
+            qg.grad = None
+            zigzag_ring_attention(qg, k, v).backward(dout)
+            return qg.grad
 
-        flops = 2 * 2 * s * s * h * dh / 2 * 3.5
-        t_sdpa, t_ring = timed(sdpa), timed(ring)
-        with torch.no_grad():
-            err = ((zigzag_ring_attention(q, k, v).float() -
-                    F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float()).norm() /
-                   F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).float().norm()).item()
-        rows.append({"tokens": s, "sdpa_s": t_sdpa, "ring_s": t_ring, "sdpa_tflops": flops / t_sdpa / 1e12,
-                     "ring_tflops": flops / t_ring / 1e12, "ring_vs_sdpa": t_sdpa / t_ring, "rel_err": err,
-                     "pass": err < 2e-2})  # both bf16: rounding only
-        out = ROOT / "bench" / "results" / "gpu_attention.json"  # rewritten per row: a cut-off run keeps its rows
-        out.write_text(json.dumps({"benchmark": "gpu_attention", "rows": rows, "machine": describe()}, indent=2) + "\n")
-        del q, k, v, dout
-        torch.cuda.empty_cache()
-    print("| tokens | SDPA s | ring(sp=1) s | SDPA TFLOP/s | ring TFLOP/s | ring/SDPA speed | rel err |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+        runs = {"sdpa": sdpa, "ring sp=1": ring, **{f"ring sp={n}": (lambda n=n: ring_blocks(q, k, v, dout, n))
+                                                     for n in sps}}
+        want = sdpa().float()
+        for name, fn in runs.items():
+            t, dq = timed(fn, reps)
+            err = ((dq.float() - want).norm() / want.norm()).item()
+            tflops = flops / t / 1e12
+            rows.append({"tokens": s, "run": name, "seconds": t, "tflops": tflops,
+                         "mfu": tflops / peak if peak else None, "vs_sdpa": None, "dq_rel_err": err,
+                         "pass": err < (2e-2 if dtype == torch.bfloat16 else 1e-4)})
+        base = next(r["seconds"] for r in rows if r["tokens"] == s and r["run"] == "sdpa")
+        for r in rows:
+            if r["tokens"] == s:
+                r["vs_sdpa"] = base / r["seconds"]  # > 1: faster than one SDPA call
+        out.write_text(json.dumps({"benchmark": "gpu_attention", "mfu_goal": MFU_GOAL, "nominal_bf16_tflops": peak,
+                                   "rows": rows, "machine": describe()}, indent=2) + "\n")
+        del q, k, v, dout, qg
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print("| tokens | run | s (fwd+bwd) | TFLOP/s | MFU | speed vs SDPA | dq rel err |\n|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tokens']} | {r['sdpa_s']:.3f} | {r['ring_s']:.3f} | {r['sdpa_tflops']:.0f} | "
-              f"{r['ring_tflops']:.0f} | {r['ring_vs_sdpa']:.2f} | {r['rel_err']:.1e} |")
+        mfu = f"{r['mfu']:.0%}" if r["mfu"] is not None else "–"
+        print(f"| {r['tokens']} | {r['run']} | {r['seconds']:.3f} | {r['tflops']:.1f} | {mfu} | {r['vs_sdpa']:.2f} | "
+              f"{r['dq_rel_err']:.1e} |")
     print(f"wrote {out}")
     sys.exit(0 if all(r["pass"] for r in rows) else 1)
 

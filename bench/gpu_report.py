@@ -25,7 +25,8 @@ STEPS = {
     "tiny": "recipe=tiny end to end on the GPU (make demo's job, shortened), 1 rank: fp32, ZeRO-3 offload",
     "tiny_sp2": "the same on 2 ranks sharing each sequence (sp=2, the fp32 ring on the memory-efficient kernel); "
                 "needs 2 GPUs",
-    "attention": "the torch ring's kernels vs plain SDPA, bf16, 16K-100K tokens: time, TFLOP/s, error",
+    "attention": "the torch ring's forward+backward (one rank; the blocks of an 8-rank ring) vs one SDPA call on "
+                 "the same tokens, bf16, 32K-128K: time, TFLOP/s, MFU against the data-sheet peak (goal >= 45%), error",
     "loss": "Liger vs chunked vs naive loss, plain and under ZeRO-3 (untied head): values, gradients, memory",
     "train": "Qwen3-1.7B shape, ZeRO-3, 16K-100K tokens: tokens/s, MFU against the data-sheet and a measured peak, "
              "peak memory vs the planner (and with offloaded activations)",

@@ -1,0 +1,111 @@
+"""PyTorch's flex_attention (log-sum-exp returned) vs the ring's block kernel, on this machine's CPU.
+
+    python bench/flex_attention.py [--tokens 2048 4096 8192] [--threads 1]
+
+One ring block's shapes of the vs-ALST model (8 query heads, 2 KV heads, head dim 64, fp32), causal,
+forward + backward, at each length; and packed documents (8 of them, uneven) where the ring builds
+an additive [sq, sk] mask today. Runs:
+
+- ``aten``: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what the ring calls
+  (:mod:`longsft.train.parallel.kernels`), GQA heads as they are; packed: with the additive mask;
+- ``flex eager``: ``flex_attention(..., return_aux=AuxRequest(lse=True))`` uncompiled;
+- ``flex compiled``: the same under ``torch.compile`` (the first call's compile time reported apart).
+
+Also checks each against SDPA (output and dq). Writes bench/results/flex_attention.json.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def timed(fn, reps: int = 3) -> tuple[float, float]:
+    """(first call's seconds, median of ``reps`` more)."""
+    t0 = time.perf_counter()
+    fn()
+    first = time.perf_counter() - t0
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return first, sorted(ts)[len(ts) // 2]
+
+
+def main() -> None:
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    from longsft.train.parallel.kernels import CPU_KERNEL, block_bwd, block_fwd
+    from machine import write_result
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: one SP rank's share of 2 cores)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    h, hk, d = 8, 2, 64
+    compiled = torch.compile(flex_attention, dynamic=False)
+    rows = []
+    for s in args.tokens:
+        g = torch.Generator().manual_seed(s)
+        q, k, v, dout = (torch.randn(1, n, s, d, generator=g) for n in (h, hk, hk, h))
+        lengths = torch.tensor([s // 8 + (7 if i % 2 else -7) for i in range(7)])
+        lengths = torch.cat([lengths, torch.tensor([s - int(lengths.sum())])])
+        docs = torch.repeat_interleave(torch.arange(8), lengths)[None]
+        for packed in (False, True):
+            allowed = torch.ones(s, s, dtype=torch.bool).tril() & ((docs[0, :, None] == docs[0, None, :]) if packed
+                                                                   else True)
+            qr = q.clone().requires_grad_()
+            want = F.scaled_dot_product_attention(qr, k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1),
+                                                  attn_mask=allowed)
+            want.backward(dout)
+
+            def mask_mod(b, hh, qi, ki):
+                return (qi >= ki) & (docs[b, qi] == docs[b, ki]) if packed else qi >= ki
+
+            block_mask = create_block_mask(mask_mod, 1, None, s, s, device="cpu")
+
+            def aten():
+                blk = (docs, docs) if packed else None
+                out, lse = block_fwd(CPU_KERNEL, q, k, v, True, d ** -0.5, blk)
+                dq = block_bwd(CPU_KERNEL, dout, q, k, v, out, lse, True, d ** -0.5, blk)[0]
+                return out, dq
+
+            def flex(fn):
+                def run():
+                    qq = q.clone().requires_grad_()
+                    out, aux = fn(qq, k, v, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+                    assert aux.lse.shape == q.shape[:3]
+                    out.backward(dout)
+                    return out.detach(), qq.grad
+                return run
+
+            runs = {"aten": aten, "flex compiled": flex(compiled)}
+            if s <= 4096:  # eager materialises [h, s, s] scores: slow and large
+                runs["flex eager"] = flex(flex_attention)
+            for name, fn in runs.items():
+                first, t = timed(fn)
+                out, dq = fn()
+                rows.append({"tokens": s, "packed": packed, "run": name, "seconds": t, "first_call_s": first,
+                             "out_rel_err": ((out - want.detach()).norm() / want.norm()).item(),
+                             "dq_rel_err": ((dq - qr.grad).norm() / qr.grad.norm()).item()})
+                print(rows[-1], flush=True)
+    print("\n| tokens | packed | run | s (fwd+bwd) | first call s | vs aten | out err | dq err |\n"
+          "|---:|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = next(x["seconds"] for x in rows if (x["tokens"], x["packed"], x["run"]) == (r["tokens"], r["packed"], "aten"))
+        r["time_vs_aten"] = r["seconds"] / base
+        print(f"| {r['tokens']} | {r['packed']} | {r['run']} | {r['seconds']:.3f} | {r['first_call_s']:.1f} | "
+              f"{r['time_vs_aten']:.2f} | {r['out_rel_err']:.1e} | {r['dq_rel_err']:.1e} |")
+    write_result("flex_attention", {"benchmark": "flex_attention", "threads": args.threads,
+                                    "shape": {"heads": h, "kv_heads": hk, "head_dim": d, "dtype": "fp32"}, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
