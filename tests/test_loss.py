@@ -199,42 +199,61 @@ def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokeniz
             assert err < 1e-4, (kw, k, err)
 
 
-@pytest.mark.parametrize("arch", ["Qwen3", "Llama", "Qwen2", "Mistral", "Phi3", "Gemma"])
-def test_fused_swiglu_equals_the_model_s_own_mlp(arch):
-    """The SwiGLU MLPs (their class's forward is exactly down(silu(gate(x)) * up(x))) keep two tensors instead
-    of three, with the same output and gradients; other MLPs (Phi-3's fused gate_up, Gemma's GELU) are left
-    as they are."""
+@pytest.mark.parametrize("arch, swiglu, rmsnorm", [("Qwen3", 2, 9), ("Llama", 2, 5), ("Qwen2", 2, 5), ("Mistral", 2, 5),
+                                                    ("Phi3", 0, 5), ("Gemma", 0, 0)])
+def test_lean_layers_equal_the_model_s_own(arch, swiglu, rmsnorm):
+    """SwiGLU MLPs and RMSNorms whose class's forward is exactly transformers' run autograd functions that
+    keep less (an MLP: one [tokens, intermediate] tensor fewer), with the model's loss and every gradient;
+    others are left alone: Phi-3's fused gate_up MLP, Gemma's GELU MLP and its (1 + weight) norm."""
     import transformers
 
-    from longsft.train.model.mlp import fuse_swiglu
+    from longsft.train.model.layers import lean_layers
 
     cfg = getattr(transformers, f"{arch}Config")(hidden_size=16, intermediate_size=48, num_attention_heads=2,
                                                  num_key_value_heads=1, head_dim=8, num_hidden_layers=2,
                                                  vocab_size=64, pad_token_id=0)
     torch.manual_seed(0)
-    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
-    mlp = model.model.layers[0].mlp
-    x = torch.randn(1, 7, 16)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg).train()
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(1))
+    mlp, x = model.model.layers[0].mlp, torch.randn(1, 7, 16)
+
+    def kept(module) -> int:  # elements of the distinct tensors a forward keeps for its backward
+        seen = {}
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.setdefault(t.data_ptr(), t.numel()) and t,
+                                                      lambda t: t):
+            module(x.clone().requires_grad_())
+        return sum(seen.values())
 
     def run():
         model.zero_grad()
-        xx = x.clone().requires_grad_()
-        out = mlp(xx)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-            out2 = mlp(xx)
-        (out * out2).sum().backward()
-        return out.detach(), xx.grad, [p.grad.clone() for p in mlp.parameters()]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, kept(mlp), kept(model.model.norm)
 
-    saved = []
-    want = run()
-    plain, saved = sum(saved), []
-    assert fuse_swiglu(model) == (2 if arch in ("Qwen3", "Llama", "Qwen2", "Mistral") else 0)
-    got = run()
-    if arch in ("Phi3", "Gemma"):
-        return
-    assert sum(saved) == plain - 7 * 48  # one [tokens, intermediate] tensor fewer kept for the backward
-    for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    want_loss, want, mlp_kept, norm_kept = run()
+    assert lean_layers(model) == {"swiglu": swiglu, "rmsnorm": rmsnorm}
+    loss, got, mlp_now, norm_now = run()
+    assert mlp_now == mlp_kept - (7 * 48 if swiglu else 0)  # one [tokens, intermediate] tensor fewer
+    assert norm_now == norm_kept - (7 * 16 if rmsnorm else 0)  # the normalised [tokens, hidden] not kept
+    assert loss == pytest.approx(want_loss, rel=1e-6)
+    for name, g in want.items():
+        assert ((got[name] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-5, name
+
+
+def test_silu_mul_backward_in_pieces_equals_autograd():
+    """SiluMul's backward writes its gradients over gate and up, ROWS tokens at a time (a short last piece)."""
+    import torch.nn.functional as F
+
+    from longsft.train.model.layers import ROWS, SiluMul
+
+    a, b = (torch.randn(2, ROWS + 5, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    g = torch.randn(2, ROWS + 5, 6, dtype=torch.float64)
+    want = torch.autograd.grad(F.silu(a) * b, (a, b), g)
+    out = SiluMul.apply(a.clone(), b.clone())  # fresh tensors, as the projections' outputs are
+    assert torch.allclose(out, F.silu(a) * b)
+    got = torch.autograd.grad(out, (a, b), g)
+    for x, y in zip(got, want):
+        assert torch.allclose(x, y, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")

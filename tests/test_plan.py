@@ -62,7 +62,9 @@ def test_terms_follow_the_recipe_switches():
     # tiling the MLP shrinks the traced layer working set; offloading activations moves the
     # checkpointed layer inputs (layers x tokens x hidden x 2 bytes) to the host
     tiled = with_("model.mlp_tile_tokens=1024")
-    assert tiled.phases["layers"]["activations"] < base.phases["layers"]["activations"] - 2 * t * 12288 * 2
+    # (the lean SwiGLU keeps two [tokens, intermediate] tensors and writes its gradients over them: tiling
+    # saves more than one of them)
+    assert tiled.phases["layers"]["activations"] < base.phases["layers"]["activations"] - t * 12288 * 2
     off = with_("model.offload_activations=true")
     moved = 36 * t * 4096 * 2
     assert base.phases["layers"]["activations"] - off.phases["layers"]["activations"] == pytest.approx(moved)

@@ -53,7 +53,7 @@ from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig
 from longsft.train.data.token_cache import host_bytes
 from longsft.train.model.build import build_hf_config
 from longsft.train.model.loss import logit_softcap
-from longsft.train.model.mlp import fuse_swiglu, tile_mlps
+from longsft.train.model.layers import lean_layers, tile_mlps
 from longsft.train.model.tied_head import deferrable, keeps_dlogits
 from longsft.train.training.engine import build_ds_config
 
@@ -292,7 +292,7 @@ def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
     model.train()
     if m.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    fuse_swiglu(model)  # as build_model does
+    lean_layers(model)  # as build_model does
     if m.mlp_tile_tokens:
         tile_mlps(model, m.mlp_tile_tokens)
     for p in model.parameters():

@@ -163,6 +163,21 @@ def zero3_full_state_dict(engine) -> dict | None:
     return gather()
 
 
+def zero3_gathered(param) -> bool:
+    """Whether a ZeRO-3 parameter is whole on this rank now (``ds_status`` AVAILABLE)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    status = getattr(param, "ds_status", None)
+    if status is None:
+        raise unsupported("deepspeed", "a ZeRO-3 parameter has no ds_status")
+    return status == ZeroParamStatus.AVAILABLE
+
+
+def full_shape(param) -> torch.Size:
+    """A parameter's whole shape, also while ZeRO-3 holds only this rank's partition (``ds_shape``)."""
+    return param.ds_shape if hasattr(param, "ds_id") else param.shape
+
+
 def skip_inference_comm_build() -> None:
     """Keep ``deepspeed.init_distributed`` from JIT-compiling its shared-memory comm op on CPU (about a
     minute on every fresh extension cache); only inference all-reduce uses it, training never does.

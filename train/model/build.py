@@ -13,7 +13,7 @@ from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import cache_dir, weights_source
 from longsft.train.config import ModelConfig
 from longsft.train.model.loss import attach_fused_loss, logit_softcap
-from longsft.train.model.mlp import fuse_swiglu, tile_mlps
+from longsft.train.model.layers import lean_layers, tile_mlps
 from longsft.train.model.tied_head import deferrable
 from longsft.train.parallel.attention import ATTN_NAME
 
@@ -146,7 +146,7 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     model.train()
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    fuse_swiglu(model)  # before tiling: the tiles run the fused MLP
+    lean_layers(model)  # before tiling: the tiles run the lean MLP
     if cfg.mlp_tile_tokens:
         tile_mlps(model, cfg.mlp_tile_tokens)
     if cfg.loss_kernel == "liger":

@@ -133,8 +133,10 @@ class FusedHeadLoss(torch.nn.Module):
       input embedding: no ``[V, H]`` gradient during the backward, the embedding's backward adds it.
 
     A module of the model without parameters of its own: the head weight stays the LM head's (its
-    name and checkpoints unchanged); under ZeRO-3 it is this module's external parameter, so it is
-    gathered for this module's forward and for its backward.
+    name and checkpoints unchanged). Under ZeRO-3, for ``liger`` it is this module's external
+    parameter, gathered for this module's forward and for its backward (where Liger hands over its
+    gradient); ``tied`` gathers it itself for the two and releases it in between and after, so it is
+    not held through the decoder layers' backward.
     """
 
     def __init__(self, head: torch.nn.Linear, kind: str = "liger"):
@@ -152,7 +154,7 @@ class FusedHeadLoss(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         weight = self._head[0].weight
-        if hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
+        if self.kind == "liger" and hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
             raise RuntimeError("the fused loss's head weight is partitioned by ZeRO-3 but not registered with it "
                                "(register_fused_loss after deepspeed.initialize)")
         if self.kind == "tied":
@@ -180,7 +182,8 @@ def register_fused_loss(model) -> None:
     module's forward and backward. Idempotent; nothing without the module or without ZeRO-3."""
     fused = getattr(model, FUSED_LOSS, None)
     weight = model.get_output_embeddings().weight
-    if fused is not None and hasattr(weight, "ds_id") and id(weight) not in getattr(fused, "_external_params", {}):
+    if fused is not None and fused.kind == "liger" and hasattr(weight, "ds_id") and \
+            id(weight) not in getattr(fused, "_external_params", {}):
         import deepspeed
 
         deepspeed.zero.register_external_parameter(fused, weight)

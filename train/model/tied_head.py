@@ -16,8 +16,12 @@ gradient it builds anyway. The weight gradient is the same; it exists only at th
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+
+from longsft.train.common.compat import full_shape, zero3_gathered
 
 
 class Deferred:
@@ -43,6 +47,19 @@ def keeps_dlogits(rows: int, hidden: int) -> bool:
     keeps its logits, and waiting for the embedding's backward) rather than recomputed twice: while
     they are at most half the ``[V, H]`` gradient they stand for (LongNovel's 64-token answers)."""
     return 2 * rows <= hidden
+
+
+def _gathered(weight: torch.Tensor, keep: bool = False):
+    """``weight`` whole within the block and partitioned again after it, under ZeRO-3: the head gathers
+    its weight for its own forward and backward, and does not hold it through the decoder layers'
+    backward, as a module's external parameter would be; the embedding's backward gathers it again.
+    ``keep``: a weight already whole (kept for reuse) stays so. Every rank must enter (a collective).
+    Without ZeRO-3: nothing."""
+    if not hasattr(weight, "ds_id") or (keep and zero3_gathered(weight)):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight])
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -76,26 +93,30 @@ class HeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grads = []  # kept: each chunk's softmax gradient, [c, V] in the weight's dtype
-        for i in range(0, n, chunk):
-            logits, t = _logits(hidden[i:i + chunk], weight), targets[i:i + chunk]
-            lse[i:i + chunk] = torch.logsumexp(logits, -1)
-            total += (lse[i:i + chunk] - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            if keep:
-                grads.append(_softmax_grad(logits, t, lse[i:i + chunk]).to(weight.dtype))
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk, ctx.deferred, ctx.grads = chunk, deferred, grads
+        with _gathered(weight, keep=True):  # the backward comes next: a weight kept whole stays so
+            for i in range(0, n, chunk):
+                logits, t = _logits(hidden[i:i + chunk], weight), targets[i:i + chunk]
+                lse[i:i + chunk] = torch.logsumexp(logits, -1)
+                total += (lse[i:i + chunk] - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                if keep:
+                    grads.append(_softmax_grad(logits, t, lse[i:i + chunk]).to(weight.dtype))
+        # the weight is a parameter, whole or not as ZeRO-3 has it: held, not saved (saved-tensor hooks such
+        # as model.offload_activations' would copy it, partitioned or whole)
+        ctx.save_for_backward(hidden, targets, lse)
+        ctx.weight, ctx.chunk, ctx.deferred, ctx.grads = weight, chunk, deferred, grads
         return total
 
     @staticmethod
     def backward(ctx, g):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        (hidden, targets, lse), weight = ctx.saved_tensors, ctx.weight
         grad_h = torch.empty_like(hidden)
-        for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
-            h, t, s = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk], lse[i:i + ctx.chunk]
-            dlogits = ctx.grads[k].mul_(g.to(weight.dtype)) if ctx.grads else _dlogits(h, weight, t, s, g)
-            grad_h[i:i + ctx.chunk] = dlogits @ weight
-            ctx.deferred.parts.append((h, dlogits) if ctx.grads else (h, t, s, g))
-        ctx.grads = []
+        with _gathered(weight):  # released after: the decoder layers' backward does not need it
+            for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
+                h, t, s = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk], lse[i:i + ctx.chunk]
+                dlogits = ctx.grads[k].mul_(g.to(weight.dtype)) if ctx.grads else _dlogits(h, weight, t, s, g)
+                grad_h[i:i + ctx.chunk] = dlogits @ weight
+                ctx.deferred.parts.append((h, dlogits) if ctx.grads else (h, t, s, g))
+        ctx.grads, ctx.weight = [], None
         return grad_h, None, None, None, None
 
 
@@ -104,18 +125,23 @@ class _Embedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, padding_idx, deferred: Deferred):
-        ctx.save_for_backward(ids, weight)
-        ctx.padding_idx, ctx.deferred = padding_idx, deferred
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx, ctx.deferred = weight, padding_idx, deferred  # held, as in HeadCrossEntropy
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, g):  # g [..., H]
-        ids, weight = ctx.saved_tensors
+        (ids,), weight = ctx.saved_tensors, ctx.weight
         g = g.reshape(-1, weight.shape[1])
         if ctx.padding_idx is not None:  # the padding row gets no gradient from the lookup (the head's it does)
             g = g.masked_fill((ids.reshape(-1) == ctx.padding_idx)[:, None], 0)
-        grad_w = torch.zeros(weight.shape, dtype=g.dtype, device=g.device).index_add_(0, ids.reshape(-1), g)
-        ctx.deferred.fold_into(grad_w, weight)
+        # the weight's values are needed only to recompute dlogits (ZeRO-3 does not gather a lookup's
+        # weight for its backward, nor need it: the gradient has its full shape whatever the weight's now)
+        recompute = any(len(part) > 2 for part in ctx.deferred.parts)
+        grad_w = torch.zeros(full_shape(weight), dtype=g.dtype, device=g.device).index_add_(0, ids.reshape(-1), g)
+        with _gathered(weight, keep=True) if recompute else contextlib.nullcontext():
+            ctx.deferred.fold_into(grad_w, weight)
+        ctx.weight = None
         return None, grad_w, None, None
 
 

@@ -74,8 +74,10 @@ class _ZigzagRing(torch.autograd.Function):
         if kept is not None:
             out, lse = kept
         else:
-            c = q.shape[2] // 2
-            out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            c, (b, h, n, d) = q.shape[2] // 2, q.shape
+            # [b, h, s, d] over [b, s, h, d] memory: the layer's transpose to [b, s, h * d] for its output
+            # projection is then free, and that projection keeps the very tensor the backward keeps
+            out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
             lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
             for step, blk in _blocks(_kv(k, v, docs)):
                 kc, vc, dc = (*blk, None)[:3]
