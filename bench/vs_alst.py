@@ -18,6 +18,8 @@ the machine's noise falls on all of them alike.
   all-gathered over the SP group weighted by each rank's target count. Its LM head runs on the
   answer positions only (``logits_to_keep``), as longsft's does: a plain ``outputs.loss`` would
   compute ``[tokens, vocab]`` logits for the whole prompt, which is not the comparison of interest.
+  Its model is transformers' own (``from_config``, gradient checkpointing as the HF Trainer enables
+  it), none of longsft's changes to layers or loss, with the same weights.
   ``--alst-tiled-mlp`` adds its ``TiledMLP`` (compare with longsft's ``model.mlp_tile_tokens``).
 
 Per step: wall seconds and CPU seconds (summed over ranks: steadier on a shared machine) and
@@ -71,13 +73,13 @@ class Measured:
 
 def _alst_engine(cfg, seq: int, sp: int, tiled_mlp: bool):
     """ALST's engine: the same model and DeepSpeed config, Ulysses over transformers' ``sdpa``."""
-    import dataclasses
-
     import deepspeed
+    import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, UlyssesSPAttentionHF
+    from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from longsft.train.model.build import build_hf_config, build_model
+    from longsft.train.model.build import build_hf_config, torch_dtype
     from longsft.train.training.engine import build_ds_config
 
     # with an mpu, or sequence_parallel_size in the config (zero.Init), DeepSpeed counts the batch over
@@ -85,7 +87,13 @@ def _alst_engine(cfg, seq: int, sp: int, tiled_mlp: bool):
     ds = build_ds_config(cfg, cfg.stages[0], int(os.environ["WORLD_SIZE"]) // sp, build_hf_config(cfg.model).hidden_size)
     ds["sequence_parallel_size"] = sp
     hf_ds = HfDeepSpeedConfig(ds)
-    model = build_model(dataclasses.replace(cfg.model, attn_implementation="sdpa"), seed=cfg.seed, sp_size=1)
+    # transformers' own model, as an ALST user has it (none of longsft's layer or loss changes), from the
+    # same config and seed as longsft's build_model: the same weights
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model), dtype=torch_dtype(cfg.model),
+                                             attn_implementation="sdpa")
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if tiled_mlp:  # ALST's TiledMLP on each decoder MLP, shards as its docstring computes them
         for layer in model.get_decoder().layers:
             mlp = layer.mlp
