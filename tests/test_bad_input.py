@@ -13,7 +13,7 @@ from conftest import ROOT, TEST_OVERRIDES, torchrun
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.config import load_config, validate
 from longsft.train.data.schema import load_samples
-from longsft.train.parallel.distributed import Dist, ParallelDims
+from longsft.train.parallel.distributed import Dist, ParallelDims, cpu_threads
 from longsft.train.training.checkpoint import MANIFEST, load_resume
 from longsft.train.training.curriculum import check_run_dir, load_state
 
@@ -37,6 +37,22 @@ def test_recipe_file_errors(tmp_path):
     b.write_text(f"base: {a}\n")
     with pytest.raises(ConfigError, match="circular base chain"):
         load_config(str(a))
+
+
+def test_cpu_threads_per_rank(monkeypatch):
+    """LONGSFT_THREADS (what the SLURM script passes on) wins; unset, the process's CPUs are shared by
+    the node's ranks; a bad value is named."""
+    import os
+
+    monkeypatch.delenv("LONGSFT_THREADS", raising=False)
+    assert cpu_threads(1) == len(os.sched_getaffinity(0))
+    assert cpu_threads(1000) == 1
+    monkeypatch.setenv("LONGSFT_THREADS", "3")
+    assert cpu_threads(2) == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("LONGSFT_THREADS", bad)
+        with pytest.raises(ConfigError, match=f"LONGSFT_THREADS='{bad}': expected a whole number"):
+            cpu_threads(1)
 
 
 def test_cross_field_values():

@@ -120,6 +120,18 @@ def _die_with_launcher() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def cpu_threads(local_world: int) -> int:
+    """CPU threads per rank: ``LONGSFT_THREADS`` when set (the SLURM script sets it from the job's
+    CPUs), else this process's CPUs over the ranks on this node. torchrun's own ``OMP_NUM_THREADS=1``
+    default would leave all but one core idle, so OMP_NUM_THREADS alone is not trusted."""
+    given = os.environ.get("LONGSFT_THREADS")
+    if given is None:
+        return max(1, len(os.sched_getaffinity(0)) // local_world)
+    if not given.isdigit() or int(given) < 1:
+        raise ConfigError(f"LONGSFT_THREADS={given!r}: expected a whole number of CPU threads per rank, at least 1")
+    return int(given)
+
+
 def setup_env() -> None:
     """Environment that must exist before deepspeed is imported."""
     _die_with_launcher()
@@ -151,8 +163,7 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     netif.setup_gloo_interface(say=say if local_rank == 0 else None)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
