@@ -1,4 +1,5 @@
-"""ZeRO-3 (+ CPU offload) on 2 ranks over gloo: a real trainer step equals plain PyTorch in this process.
+"""ZeRO-3 (+ CPU offload) on 2 ranks over gloo: a real trainer step equals plain PyTorch in this process;
+the validation hook split over 2-3 ranks equals one process.
 
 The global batch (2 ranks x grad_accum 2, answers of different lengths) is the same in both;
 the loss is the token mean over the whole global batch, so any mistake in the scaling against
@@ -26,3 +27,32 @@ def test_two_rank_step_equals_single_process(tmp_path, tiny_model_dir, sample_di
     ref = reference_step(tiny_model_dir, data, 2, common)
     torchrun([SCRIPT, "ds", str(tiny_model_dir), data, str(ds), "2", *common, *extra], nproc=2)
     compare_steps(ref, ds)
+
+
+@pytest.mark.slow
+def test_validation_split_over_ranks_equals_one_process(tmp_path, tiny_model_dir, sample_dir):
+    """The validation hook under ZeRO-3 splits its items over every rank, the ranks of an SP group
+    included, and pads the short ranks: 5 items on 1 rank, on 2 SP ranks and on 3 data-parallel ranks
+    give the same judgements, metrics and validation loss."""
+    import torch
+
+    model = str(tiny_model_dir("qwen3"))
+    data = str(sample_dir / "512" / "train.jsonl")
+    common = ["deepspeed.config=zero3", "stages.0.validate=true", "validation.max_samples=5",
+              "validation.max_new_tokens=6"]
+    env = {"LONGSFT_THREADS": "1"}  # the same kernels' thread count in every run: sums in the same order
+    got = {}
+    for nproc, sp in ((1, 1), (2, 2), (3, 1)):
+        out = tmp_path / f"val_{nproc}_{sp}.pt"
+        torchrun([SCRIPT, "val", model, data, str(out), str(nproc // sp), *common, f"parallel.sp_size={sp}"],
+                 nproc=nproc, env=env)
+        got[nproc, sp] = torch.load(out)
+    one = got[1, 1]
+    assert one["metrics"]["n"] == len(one["rows"]) == 5
+    assert len({r["id"] for r in one["rows"]}) == 5  # each item once, none a padding dummy
+    for key in ((2, 2), (3, 1)):
+        other = got[key]
+        assert other["rows"] == one["rows"], key
+        assert other["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-6), key
+        assert {k: v for k, v in other["metrics"].items() if k != "val_loss"} == \
+            {k: v for k, v in one["metrics"].items() if k != "val_loss"}, key

@@ -3,6 +3,7 @@
     python  tests/dist/step_grads.py ref MODEL DATA OUT DP [key=value ...]   # one process, plain torch
                                                                             # (tests: reference_step())
     torchrun --nproc_per_node=N tests/dist/step_grads.py ds MODEL DATA OUT DP [key=value ...]
+    torchrun --nproc_per_node=N tests/dist/step_grads.py val MODEL DATA OUT DP [key=value ...]  # validation
 
 DP is the data-parallel degree whose global batch both modes use; ``parallel.sp_size=2`` in the
 overrides splits each sequence over 2 ranks (so N = DP * sp); ``data.packing=true`` packs samples
@@ -10,6 +11,9 @@ into rows in ``ds`` mode, while ``ref`` always runs each sample on its own.
 
 ``ds`` is the trainer itself: a :class:`StageTrainer` built as the curriculum builds it (data,
 DeepSpeed engine) runs its own ``train_step(0)``; the gradients are read before the update.
+``val`` runs the same trainer's validation hook instead (judgements, shared scorer, validation loss)
+on DATA's first ``validation.max_samples`` samples and saves its metrics and rows: however the
+ranks split the items, the result must be the one-process result.
 ``ref`` shares only the encoded samples and the choice of the step's samples with it: a plain
 ``AutoModelForCausalLM``, full logits, ``F.cross_entropy`` per sample over its answer tokens, summed
 and divided by the answer tokens it counts itself. No DeepSpeed, no longsft loss or batching code.
@@ -79,6 +83,7 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     from longsft.train.parallel import comm, distributed
     from longsft.train.training.tracker import Tracker
     from longsft.train.training.trainer import StageTrainer
+    from longsft.train.training.validation import run_validation
 
     run_dir = tempfile.mkdtemp(prefix="step_grads_")
     cfg = _config(model_dir, data, overrides, run_dir)
@@ -88,6 +93,14 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     trainer = StageTrainer(cfg, 0, d, tok, Tracker(Path(run_dir), cfg.logging, enabled=False), {}, lambda: None,
                            None)
     trainer.setup()
+    if mode == "val":
+        v = cfg.validation
+        metrics, rows = run_validation(trainer.engine, tok, trainer.val, d, v.max_new_tokens, v.invalid_policy,
+                                       True, trainer.pad_id, cfg.model.loss_chunk_tokens)
+        if d.is_main:
+            torch.save({"metrics": metrics, "rows": rows}, out)
+        distributed.shutdown()
+        return
     seen = {}
 
     def grab(engine, targets):  # the step's reduced gradients, before DeepSpeed's update consumes them

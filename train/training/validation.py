@@ -1,8 +1,8 @@
 """The validation hook: generate judgements, score them with the shared scorer, pick the best.
 
-Every rank takes the same path: the validation set is split over data-parallel ranks and
-padded so each rank runs the same number of ``generate`` calls, and ``generate`` runs with
-``synced_gpus`` so ZeRO-3's collective parameter gathers stay in step. The predictions are
+Every rank takes the same path: the validation set is split over all ranks (SP ranks included:
+validation does not split sequences) and padded so each rank runs the same number of
+``generate`` calls, and ``generate`` runs with ``synced_gpus`` so ZeRO-3's collective parameter gathers stay in step. The predictions are
 gathered to every rank, so every rank computes identical metrics and the same "is best"
 decision (no broadcast, no divergent branches, no hang).
 """
@@ -25,13 +25,13 @@ from longsft.train.parallel.distributed import Dist
 def _shard(items: list, d: Dist) -> list[tuple[int, bool]]:
     """(index, counts) for this rank; every rank gets the same number of items (dummies repeat item 0).
 
-    Validation runs on whole sequences: the ranks of a sequence-parallel group process the same
-    items, and only SP rank 0's results count.
+    Validation runs on whole, unsplit sequences, so the items are split over every rank of the job,
+    the ranks of a sequence-parallel group included (they no longer repeat each other's items: an SP
+    group validates sp_size times faster).
     """
-    per_rank = math.ceil(len(items) / d.dims.dp_size)
-    mine = list(range(d.dp_rank, len(items), d.dims.dp_size))
-    lead = d.sp_rank == 0
-    return [(i, lead) for i in mine] + [(0, False)] * (per_rank - len(mine))
+    per_rank = math.ceil(len(items) / d.world_size)
+    mine = list(range(d.rank, len(items), d.world_size))
+    return [(i, True) for i in mine] + [(0, False)] * (per_rank - len(mine))
 
 
 @torch.no_grad()
