@@ -172,6 +172,7 @@ def test_stop_request_by_signal_or_file(tmp_path):
 
     from longsft.train.training.preempt import STOP_FILE, StopWatch
 
+    before = signal.getsignal(signal.SIGINT)  # pytest's Ctrl-C handler (ignored under a backgrounding shell)
     watch = StopWatch(tmp_path, is_main=True)
     assert not watch.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
@@ -186,7 +187,7 @@ def test_stop_request_by_signal_or_file(tmp_path):
     (tmp_path / STOP_FILE).touch()
     assert not other.requested()
     other.close(), watch.close()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # pytest's Ctrl-C is back
+    assert signal.getsignal(signal.SIGINT) is before  # pytest's Ctrl-C is back
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
