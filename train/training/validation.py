@@ -2,9 +2,9 @@
 
 Every rank takes the same path: the validation set is split over all ranks (SP ranks included:
 validation does not split sequences) and padded so each rank runs the same number of
-``generate`` calls, and ``generate`` runs with ``synced_gpus`` so ZeRO-3's collective parameter gathers stay in step. The predictions are
-gathered to every rank, so every rank computes identical metrics and the same "is best"
-decision (no broadcast, no divergent branches, no hang).
+``generate`` calls, and ``generate`` runs with ``synced_gpus`` so ZeRO-3's collective parameter
+gathers stay in step. The predictions are gathered to every rank, so every rank computes identical
+metrics and the same "is best" decision (no broadcast, no divergent branches, no hang).
 """
 
 from __future__ import annotations
