@@ -10,6 +10,10 @@ GPUS := $(shell nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 NPROC ?= $(if $(filter 1,$(GPUS)),1,2)
 export LONGSFT_CACHE ?= $(CURDIR)/.cache/longsft
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+# CPU runs: glibc asks the kernel for huge pages on the large tensors it maps, instead of faulting in
+# every step's fresh gradients and ZeRO-3 buffers 4 KiB at a time (bench/huge_pages.py: 0.82x the
+# step time of the demo's warmup on a 2-core machine). A GLIBC_TUNABLES of your own is kept.
+export GLIBC_TUNABLES ?= glibc.malloc.hugetlb=1
 
 .PHONY: install demo test bench learn clean slurm-deps
 

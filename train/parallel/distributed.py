@@ -15,6 +15,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -130,6 +131,32 @@ def cpu_threads(local_world: int) -> int:
     if not given.isdigit() or int(given) < 1:
         raise ConfigError(f"LONGSFT_THREADS={given!r}: expected a whole number of CPU threads per rank, at least 1")
     return int(given)
+
+
+HUGE_PAGES = "glibc.malloc.hugetlb=1"  # GLIBC_TUNABLES entry: glibc asks for huge pages on the memory it maps
+
+
+def huge_pages_hint() -> str | None:
+    """On a CPU run where glibc maps large tensors with 4 KiB pages although the kernel would give huge
+    ones on request (transparent huge pages in ``madvise`` mode): a line saying how to ask. Every
+    step's fresh ``[vocab, hidden]`` gradients and ZeRO-3 buffers are new mappings, each page a fault
+    (bench/huge_pages.py measures the difference). ``GLIBC_TUNABLES`` is read at process start, so it
+    is the launcher's to set (the Makefile and the SLURM script do). None: nothing to gain or already set."""
+    import platform
+
+    libc, version = platform.libc_ver()
+    if libc != "glibc" or tuple(map(int, version.split(".")[:2])) < (2, 35):  # the tunable came in 2.35
+        return None
+    if torch.cuda.is_available() or "glibc.malloc.hugetlb" in os.environ.get("GLIBC_TUNABLES", ""):
+        return None
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    if "[madvise]" not in mode:  # [always]: every mapping gets them already; [never]: none to have
+        return None
+    return (f"CPU run with 4 KiB pages for large tensors: export GLIBC_TUNABLES={HUGE_PAGES} before torchrun "
+            "(fewer page faults per step, see bench/huge_pages.py; `make` and launch/slurm/curriculum.sbatch set it)")
 
 
 def setup_env() -> None:

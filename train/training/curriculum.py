@@ -187,6 +187,8 @@ def run(cfg: RunConfig) -> dict:
     check_run_dir(cfg)
     check_model(cfg)
     d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
+    if d.is_main and (hint := distributed.huge_pages_hint()):
+        say(hint)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one to read
