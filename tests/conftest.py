@@ -125,17 +125,19 @@ def tiny_model_dir(tmp_path_factory):
 
     made = {}
 
-    def make(arch: str = "qwen3", tied: bool = True):
-        if (arch, tied) not in made:
-            out = tmp_path_factory.mktemp(f"model_{arch}{'' if tied else '_untied'}")
+    def make(arch: str = "qwen3", tied: bool = True, init: float = 0.02):
+        """``init``: the weights' std (HF's initializer_range); at 0.02 greedy decoding repeats one token
+        whatever the prompt, at 0.5 what it generates depends on the prompt."""
+        if (arch, tied, init) not in made:
+            out = tmp_path_factory.mktemp(f"model_{arch}{'' if tied else '_untied'}{'' if init == 0.02 else init}")
             extra = {"head_dim": 16} if arch == "qwen3" else {}
             cfg = AutoConfig.for_model(arch, vocab_size=151936, hidden_size=64, intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                       tie_word_embeddings=tied, **extra)
+                                       tie_word_embeddings=tied, initializer_range=init, **extra)
             torch.manual_seed(0)
             AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
-            made[arch, tied] = out
-        return made[arch, tied]
+            made[arch, tied, init] = out
+        return made[arch, tied, init]
 
     return make
 

@@ -257,10 +257,11 @@ def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path):
                                           r"resume it, rerun with its config \(`longsft train recipe=.*config.yaml`\)"):
         check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-4"]))
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
-    # a run made before a key existed (model.gguf_file) resumes: the key is at its default
+    # a run made before a key existed (model.gguf_file, validation.whole_model_gb) resumes: the key is at its
+    # default
     saved = tmp_path / "trained" / "config.yaml"
     old = yaml.safe_load(saved.read_text())
-    del old["model"]["gguf_file"]
+    del old["model"]["gguf_file"], old["validation"]["whole_model_gb"]  # defaults None and 4.0
     saved.write_text(yaml.safe_dump(old))
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
 

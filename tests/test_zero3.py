@@ -33,24 +33,27 @@ def test_two_rank_step_equals_single_process(tmp_path, tiny_model_dir, sample_di
 def test_validation_split_over_ranks_equals_one_process(tmp_path, tiny_model_dir, sample_dir):
     """The validation hook under ZeRO-3 splits its items over every rank, the ranks of an SP group
     included, and pads the short ranks: 5 items on 1 rank, on 2 SP ranks and on 3 data-parallel ranks
-    give the same judgements, metrics and validation loss."""
+    give the same judgements, metrics and validation loss; so does generating on the partitioned
+    model (validation.whole_model_gb=0: ZeRO-3 gathers per token, ranks in step) instead of on each
+    rank's whole copy."""
     import torch
 
-    model = str(tiny_model_dir("qwen3"))
+    model = str(tiny_model_dir("qwen3", init=0.5))  # judgements that differ from prompt to prompt
     data = str(sample_dir / "512" / "train.jsonl")
     common = ["deepspeed.config=zero3", "stages.0.validate=true", "validation.max_samples=5",
               "validation.max_new_tokens=6"]
     env = {"LONGSFT_THREADS": "1"}  # the same kernels' thread count in every run: sums in the same order
     got = {}
-    for nproc, sp in ((1, 1), (2, 2), (3, 1)):
-        out = tmp_path / f"val_{nproc}_{sp}.pt"
-        torchrun([SCRIPT, "val", model, data, str(out), str(nproc // sp), *common, f"parallel.sp_size={sp}"],
-                 nproc=nproc, env=env)
-        got[nproc, sp] = torch.load(out)
-    one = got[1, 1]
+    for nproc, sp, gb in ((1, 1, 4), (2, 2, 4), (3, 1, 4), (2, 2, 0)):
+        out = tmp_path / f"val_{nproc}_{sp}_{gb}.pt"
+        torchrun([SCRIPT, "val", model, data, str(out), str(nproc // sp), *common, f"parallel.sp_size={sp}",
+                  f"validation.whole_model_gb={gb}"], nproc=nproc, env=env)
+        got[nproc, sp, gb] = torch.load(out)
+    one = got[1, 1, 4]
     assert one["metrics"]["n"] == len(one["rows"]) == 5
     assert len({r["id"] for r in one["rows"]}) == 5  # each item once, none a padding dummy
-    for key in ((2, 2), (3, 1)):
+    assert len({r["prediction"] for r in one["rows"]}) == 5  # the judgements tell the items apart
+    for key in ((2, 2, 4), (3, 1, 4), (2, 2, 0)):
         other = got[key]
         assert other["rows"] == one["rows"], key
         assert other["metrics"]["val_loss"] == pytest.approx(one["metrics"]["val_loss"], rel=1e-6), key

@@ -134,6 +134,10 @@ class ValidationConfig:
     max_new_tokens: int = 256
     invalid_policy: Literal["wrong", "hallucinated", "faithful"] = "wrong"
     loss: bool = True  # also compute teacher-forced validation loss (tie-breaker)
+    # Under ZeRO-3, generate on a whole copy of the model on every rank when its weights take at most
+    # this many GB (each rank then decodes its own items, no collective per token); larger, or 0: on
+    # the partitioned model, which gathers every layer's weights for every new token, ranks in step.
+    whole_model_gb: float = 4.0
 
 
 @dataclass
@@ -555,7 +559,8 @@ def validate(cfg: RunConfig) -> None:
     for j, beta in enumerate(o.betas):
         if not 0 <= beta < 1:
             raise ConfigError(f"optim.betas.{j}={beta} must be in [0, 1)")
-    _bounds(cfg.validation, "validation.", every_steps=(0, None), max_samples=(0, None), max_new_tokens=(1, None))
+    _bounds(cfg.validation, "validation.", every_steps=(0, None), max_samples=(0, None), max_new_tokens=(1, None),
+            whole_model_gb=(0, None))
     _bounds(cfg.logging, "logging.", log_every=(1, None))
     _bounds(cfg.data, "data.", sample_size=(1, None))
     dup = {n for n in names if names.count(n) > 1}

@@ -96,7 +96,8 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
     if mode == "val":
         v = cfg.validation
         metrics, rows = run_validation(trainer.engine, tok, trainer.val, d, v.max_new_tokens, v.invalid_policy,
-                                       True, trainer.pad_id, cfg.model.loss_chunk_tokens)
+                                       True, trainer.pad_id, cfg.model.loss_chunk_tokens, cfg.model.attn_implementation,
+                                       v.whole_model_gb)
         if d.is_main:
             torch.save({"metrics": metrics, "rows": rows}, out)
         distributed.shutdown()

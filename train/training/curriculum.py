@@ -79,7 +79,8 @@ def check_resolved_config(cfg: RunConfig) -> bool:
     old.pop("logging", None), now.pop("logging", None)
     if old == now:
         return False
-    diff = _diff(old, now)
+    defaults = to_dict(type(cfg)())
+    diff = [(k, a, b) for k, a, b in _diff(old, now) if not (a is None and b == _at(defaults, k))]
     if not diff:  # only keys added since the run was made, at their defaults
         return False
     if not _trained(cfg):
@@ -96,6 +97,12 @@ def _diff(old: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
         return [d for k in sorted(set(old) | set(now), key=str)
                 for d in _diff(old.get(k), now.get(k), f"{prefix}{k}.")]
     return [] if old == now else [(prefix.rstrip("."), old, now)]
+
+
+def _at(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def _trained(cfg: RunConfig) -> bool:

@@ -1,20 +1,25 @@
 """The validation hook: generate judgements, score them with the shared scorer, pick the best.
 
-Every rank takes the same path: the validation set is split over all ranks (SP ranks included:
-validation does not split sequences) and padded so each rank runs the same number of
-``generate`` calls, and ``generate`` runs with ``synced_gpus`` so ZeRO-3's collective parameter
-gathers stay in step. The predictions are gathered to every rank, so every rank computes identical
-metrics and the same "is best" decision (no broadcast, no divergent branches, no hang).
+The validation set is split over all ranks (SP ranks included: validation does not split
+sequences). Under ZeRO-3 each rank generates on a whole copy of the model when its weights fit in
+``validation.whole_model_gb`` (:func:`whole_copy`, TRL's "gather for generation"): no collective
+per token. Otherwise the ranks are padded to the same number of ``generate`` calls, run with
+``synced_gpus`` so ZeRO-3's collective parameter gathers stay in step. The predictions are gathered
+to every rank, so every rank computes identical metrics and the same "is best" decision (no
+broadcast, no divergent branches, no hang).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import numpy as np
 import torch
 
 from longsft.eval.scoring.metrics import Item, score_items
+from longsft.train.common.compat import full_shape
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import Encoded
 from longsft.train.model.loss import token_loss_sum
@@ -22,8 +27,9 @@ from longsft.train.parallel.comm import all_gather_objects, all_reduce
 from longsft.train.parallel.distributed import Dist
 
 
-def _shard(items: list, d: Dist) -> list[tuple[int, bool]]:
-    """(index, counts) for this rank; every rank gets the same number of items (dummies repeat item 0).
+def _shard(items: list, d: Dist, padded: bool = True) -> list[tuple[int, bool]]:
+    """(index, counts) for this rank; ``padded``: every rank gets the same number of items (dummies
+    repeat item 0), for calls that are collectives.
 
     Validation runs on whole, unsplit sequences, so the items are split over every rank of the job,
     the ranks of a sequence-parallel group included (they no longer repeat each other's items: an SP
@@ -31,26 +37,83 @@ def _shard(items: list, d: Dist) -> list[tuple[int, bool]]:
     """
     per_rank = math.ceil(len(items) / d.world_size)
     mine = list(range(d.rank, len(items), d.world_size))
-    return [(i, True) for i in mine] + [(0, False)] * (per_rank - len(mine))
+    return [(i, True) for i in mine] + [(0, False)] * (per_rank - len(mine) if padded else 0)
+
+
+def weight_gb(model) -> float:
+    """The model's parameters whole, in GB (also while ZeRO-3 holds only a partition)."""
+    return sum(full_shape(p).numel() * p.element_size() for p in model.parameters()) / 1e9
+
+
+def whole_copy(model, attn: str, device: torch.device):
+    """A plain copy of ZeRO-3 partitioned ``model`` on this rank, each weight gathered in turn (a
+    collective: every rank calls it); attention ``attn`` (the model's own, not the sequence-parallel
+    one), eval mode, on ``device``. Costs the model's weights once more on this rank while it lives."""
+    import deepspeed
+    from transformers.initialization import no_init_weights
+
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = attn
+    dtype = next(model.parameters()).dtype
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with no_init_weights(), torch.device(device):
+            twin = type(model)(config)  # the class itself: from_config would partition it (HfDeepSpeedConfig is live)
+    finally:
+        torch.set_default_dtype(saved)
+    twin.tie_weights()  # the class's constructor leaves a tied head untied
+    mine = dict(twin.named_parameters())
+    theirs = dict(model.named_parameters())  # tied weights appear once, in both
+    if mine.keys() != theirs.keys():
+        raise RuntimeError(f"validation: the model's copy has other parameters ({sorted(mine.keys() ^ theirs.keys())})")
+    for name, p in theirs.items():
+        with deepspeed.zero.GatheredParameters([p]):
+            mine[name].data.copy_(p.data)
+    for name, b in model.named_buffers():
+        twin.get_buffer(name).copy_(b)
+    if getattr(model, "generation_config", None) is not None:  # a checkpoint's own generation defaults
+        twin.generation_config = copy.deepcopy(model.generation_config)
+    return twin.eval()
+
+
+@contextlib.contextmanager
+def generation_model(engine, attn: str, whole_model_gb: float, device: torch.device):
+    """``(model, synced)`` to generate with: a whole copy (:func:`whole_copy`) when the engine's model
+    is ZeRO-3 partitioned and fits in ``whole_model_gb``, else the engine's model; ``synced``: its
+    forward is a collective (ZeRO-3 gathers), so every rank must call it as often as the others."""
+    model = engine.module
+    zero3 = engine.zero_optimization_partition_weights()
+    if zero3 and weight_gb(model) <= whole_model_gb:
+        twin = whole_copy(model, attn, device)
+        try:
+            yield twin, False
+        finally:
+            del twin
+        return
+    model.eval()
+    try:
+        yield model, zero3
+    finally:
+        model.train()
 
 
 @torch.no_grad()
-def generate_judgements(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int) -> list[dict]:
+def generate_judgements(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int,
+                        attn: str = "sdpa", whole_model_gb: float = 0.0) -> list[dict]:
     """Greedy judgements for ``items``; returns rows in ``longsft score`` format, on every rank."""
-    model = engine.module
-    model.eval()
     rows = []
-    for i, real in _shard(items, d):
-        e = items[i]
-        ids = torch.from_numpy(np.asarray(e.input_ids[: e.prompt_len], dtype=np.int64))[None].to(d.device)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, use_cache=True, synced_gpus=d.world_size > 1,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        if real:
-            s = e.meta
-            rows.append({"id": s.id, "prediction": tokenizer.decode(out[0, e.prompt_len:], skip_special_tokens=True),
-                         "gold_score": s.gold_score, "bucket": s.bucket, "language": s.language, "types": list(s.types)})
-    model.train()
+    with generation_model(engine, attn, whole_model_gb, d.device) as (model, synced):
+        for i, real in _shard(items, d, padded=synced):
+            e = items[i]
+            ids = torch.from_numpy(np.asarray(e.input_ids[: e.prompt_len], dtype=np.int64))[None].to(d.device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, use_cache=True, synced_gpus=synced and d.world_size > 1,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            if real:
+                s, text = e.meta, tokenizer.decode(out[0, e.prompt_len:], skip_special_tokens=True)
+                rows.append({"id": s.id, "prediction": text, "gold_score": s.gold_score, "bucket": s.bucket,
+                             "language": s.language, "types": list(s.types)})
     gathered = [r for part in all_gather_objects(rows) for r in part]
     return sorted(gathered, key=lambda r: r["id"])
 
@@ -71,9 +134,10 @@ def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int, chunk_to
 
 
 def run_validation(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int, policy: str,
-                   with_loss: bool, pad_id: int, chunk_tokens: int = 0) -> tuple[dict, list[dict]]:
+                   with_loss: bool, pad_id: int, chunk_tokens: int = 0, attn: str = "sdpa",
+                   whole_model_gb: float = 0.0) -> tuple[dict, list[dict]]:
     """Judgements -> shared scorer metrics (+ validation loss). Identical result on every rank."""
-    rows = generate_judgements(engine, tokenizer, items, d, max_new_tokens)
+    rows = generate_judgements(engine, tokenizer, items, d, max_new_tokens, attn, whole_model_gb)
     scored = [Item(id=r["id"], prediction=r["prediction"], gold_score=r["gold_score"], bucket=r["bucket"],
                    language=r["language"], gold_types=tuple(r["types"])) for r in rows]
     result = score_items(scored, policy)
