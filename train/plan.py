@@ -15,7 +15,8 @@ The peak is the resident state plus the largest of three working sets (bytes per
   attention output), ring attention's accumulators and K/V blocks (sp > 1);
 - the ``embedding`` phase: the embedding gathered and its full gradient;
 - the ``validation`` phase (stages that validate): ``generate`` on the whole, unsplit validation
-  prompt on every rank: its KV cache and the prefill's traced working set, one layer gathered;
+  prompt on every rank: its KV cache and the prefill's traced working set, one layer gathered (the
+  whole model, copied, when it fits in ``validation.whole_model_gb``);
 - each with the reduce and prefetch buckets (``comm``), and (``stage3_max_reuse_distance``) the
   layers ZeRO-3 keeps gathered around the forward/backward turn (``reuse``).
 
@@ -454,7 +455,10 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     }
     if stage.validate:  # generate() prefills the whole prompt (no SP split) with a KV cache on every rank
         s_val = stage.seq_len
-        e.phases["validation"] = {"gathered": big + b * shape.layer_params, "kv_cache": 2 * L * s_val * kv * d * b,
+        # on a whole copy of the model when it fits in validation.whole_model_gb (training/validation.py)
+        whole = z["stage"] == 3 and b * shape.params <= cfg.validation.whole_model_gb * 1e9
+        e.phases["validation"] = {"gathered": b * shape.params if whole else big + b * shape.layer_params,
+                                  "kv_cache": 2 * L * s_val * kv * d * b,
                                   "activations": prefill_peak(shape, cfg.model, s_val), "comm": comm}
     if hw.cuda:
         work = max(sum(p.values()) for p in e.phases.values())
