@@ -85,11 +85,7 @@ def generation_model(engine, attn: str, whole_model_gb: float, device: torch.dev
     model = engine.module
     zero3 = engine.zero_optimization_partition_weights()
     if zero3 and weight_gb(model) <= whole_model_gb:
-        twin = whole_copy(model, attn, device)
-        try:
-            yield twin, False
-        finally:
-            del twin
+        yield whole_copy(model, attn, device), False
         return
     model.eval()
     try:
