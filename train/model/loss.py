@@ -135,8 +135,8 @@ class FusedHeadLoss(torch.nn.Module):
     A module of the model without parameters of its own: the head weight stays the LM head's (its
     name and checkpoints unchanged). Under ZeRO-3, for ``liger`` it is this module's external
     parameter, gathered for this module's forward and for its backward (where Liger hands over its
-    gradient); ``tied`` gathers it itself for the two and releases it in between and after, so it is
-    not held through the decoder layers' backward.
+    gradient); ``tied`` gathers it itself for its forward (and for its backward
+    only when it recomputes its logit gradients), so it is not held through the decoder layers' backward.
     """
 
     def __init__(self, head: torch.nn.Linear, kind: str = "liger"):

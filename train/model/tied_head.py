@@ -10,8 +10,12 @@ hidden 512 that is 297 MiB in fp32 at the step's peak.
 Here the head's cross-entropy (:class:`HeadCrossEntropy`) returns no weight gradient. Its backward
 keeps what that gradient is made of, the target rows' hidden states with their logits' gradient
 (or, for more than H / 2 rows, what recomputes them), and the embedding's backward
-(:func:`defer_into_embedding`), where the weight is gathered again, adds it into the one dense
-gradient it builds anyway. The weight gradient is the same; it exists only at the end.
+(:func:`defer_into_embedding`) adds it into the one dense gradient it builds anyway. The weight
+gradient is the same; it exists only at the end.
+
+Kept logit gradients are made in the forward, where the weight is whole, and so is the hidden
+states' gradient (``dlogits @ weight``, [n, H]; both are linear in the backward's scalar ``g``):
+under ZeRO-3 the head's backward then gathers nothing. Only recomputing needs the weight again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from longsft.train.common.compat import full_shape, zero3_gathered
+from longsft.train.parallel import comm
 
 
 class Deferred:
@@ -33,14 +38,19 @@ class Deferred:
 
     def __init__(self):
         self.parts: list[tuple] = []
+        self.recompute = False  # the parts are recomputed (the embedding's backward gathers the weight)
 
-    def fold_into(self, grad_w: torch.Tensor, weight: torch.Tensor) -> None:
-        """``grad_w += dlogitsᵀ @ hidden`` for every part, then forget them. grad_w, weight [V, H]."""
+    def dense(self, shape: torch.Size, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
+        """``Σ dlogitsᵀ @ hidden`` over every part as a new ``[V, H]`` tensor (written by the first
+        product, not zero-filled first), then forget them. weight [V, H]."""
+        grad_w = None
         for part in self.parts:
             h, dlogits = (part[0], part[1]) if len(part) == 2 else (part[0], _dlogits(part[0], weight, *part[1:]))
-            grad_w.addmm_(dlogits.t().to(grad_w.dtype), h.to(grad_w.dtype))
+            dlogits, h = dlogits.t().to(dtype), h.to(dtype)
+            grad_w = dlogits @ h if grad_w is None else grad_w.addmm_(dlogits, h)
         self.parts.clear()
-
+        self.recompute = False
+        return torch.zeros(shape, dtype=dtype, device=weight.device) if grad_w is None else grad_w
 
 def keeps_dlogits(rows: int, hidden: int) -> bool:
     """Whether the head's ``[rows, V]`` logit gradients are kept (made in the forward, as the plain path
@@ -89,34 +99,43 @@ class HeadCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk: int, deferred: Deferred):
         deferred.parts.clear()  # a backward that never reached the embedding (an error) left these
         n = hidden.shape[0]
-        keep = keeps_dlogits(n, hidden.shape[1])
+        # one choice on every rank under ZeRO-3: it decides whether the backwards gather the weight (a collective)
+        keep = keeps_dlogits(comm.max_over_ranks(n) if hasattr(weight, "ds_id") else n, hidden.shape[1])
+        deferred.recompute = not keep
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        grads = []  # kept: each chunk's softmax gradient, [c, V] in the weight's dtype
-        with _gathered(weight, keep=True):  # the backward comes next: a weight kept whole stays so
+        grads, grad_h = [], []  # kept: each chunk's softmax gradient [c, V] and its hidden gradient [c, H]
+        with _gathered(weight, keep=True):
             for i in range(0, n, chunk):
                 logits, t = _logits(hidden[i:i + chunk], weight), targets[i:i + chunk]
                 lse[i:i + chunk] = torch.logsumexp(logits, -1)
                 total += (lse[i:i + chunk] - logits.gather(1, t[:, None]).squeeze(1)).sum()
-                if keep:
+                if keep:  # both gradients made while the weight is whole: the backward need not gather it
                     grads.append(_softmax_grad(logits, t, lse[i:i + chunk]).to(weight.dtype))
+                    grad_h.append(grads[-1] @ weight)
         # the weight is a parameter, whole or not as ZeRO-3 has it: held, not saved (saved-tensor hooks such
         # as model.offload_activations' would copy it, partitioned or whole)
         ctx.save_for_backward(hidden, targets, lse)
-        ctx.weight, ctx.chunk, ctx.deferred, ctx.grads = weight, chunk, deferred, grads
+        ctx.weight, ctx.chunk, ctx.deferred, ctx.keep = weight, chunk, deferred, keep
+        ctx.grads, ctx.grad_h = grads, grad_h
         return total
 
     @staticmethod
     def backward(ctx, g):
         (hidden, targets, lse), weight = ctx.saved_tensors, ctx.weight
         grad_h = torch.empty_like(hidden)
-        with _gathered(weight):  # released after: the decoder layers' backward does not need it
+        # kept: everything is linear in g; recomputed: the weight is gathered again (and released after:
+        # the decoder layers' backward does not need it)
+        with contextlib.nullcontext() if ctx.keep else _gathered(weight):
             for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
                 h, t, s = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk], lse[i:i + ctx.chunk]
-                dlogits = ctx.grads[k].mul_(g.to(weight.dtype)) if ctx.grads else _dlogits(h, weight, t, s, g)
-                grad_h[i:i + ctx.chunk] = dlogits @ weight
-                ctx.deferred.parts.append((h, dlogits) if ctx.grads else (h, t, s, g))
-        ctx.grads, ctx.weight = [], None
+                if ctx.keep:
+                    grad_h[i:i + ctx.chunk] = ctx.grad_h[k] * g
+                    ctx.deferred.parts.append((h, ctx.grads[k].mul_(g.to(weight.dtype))))
+                else:
+                    grad_h[i:i + ctx.chunk] = _dlogits(h, weight, t, s, g) @ weight
+                    ctx.deferred.parts.append((h, t, s, g))
+        ctx.grads, ctx.grad_h, ctx.weight = [], [], None
         return grad_h, None, None, None, None
 
 
@@ -137,10 +156,8 @@ class _Embedding(torch.autograd.Function):
             g = g.masked_fill((ids.reshape(-1) == ctx.padding_idx)[:, None], 0)
         # the weight's values are needed only to recompute dlogits (ZeRO-3 does not gather a lookup's
         # weight for its backward, nor need it: the gradient has its full shape whatever the weight's now)
-        recompute = any(len(part) > 2 for part in ctx.deferred.parts)
-        grad_w = torch.zeros(full_shape(weight), dtype=g.dtype, device=g.device).index_add_(0, ids.reshape(-1), g)
-        with _gathered(weight, keep=True) if recompute else contextlib.nullcontext():
-            ctx.deferred.fold_into(grad_w, weight)
+        with _gathered(weight, keep=True) if ctx.deferred.recompute else contextlib.nullcontext():
+            grad_w = ctx.deferred.dense(full_shape(weight), g.dtype, weight).index_add_(0, ids.reshape(-1), g)
         ctx.weight = None
         return None, grad_w, None, None
 
