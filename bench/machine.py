@@ -22,6 +22,8 @@ def describe() -> dict:
             "torch": torch.__version__, "deepspeed": ds_version, "transformers": transformers.__version__}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    if os.environ.get("GLIBC_TUNABLES"):  # huge pages for CPU tensors (the Makefile's default) change CPU figures
+        info["glibc_tunables"] = os.environ["GLIBC_TUNABLES"]
     return info
 
 

@@ -72,6 +72,18 @@ def _gathered(weight: torch.Tensor, keep: bool = False):
     return deepspeed.zero.GatheredParameters([weight])
 
 
+def _released(weight: torch.Tensor):
+    """``weight`` partitioned after the block if ZeRO-3 holds it whole on this rank (as it may since the
+    model's forward), as leaving :func:`_gathered` would: it is not held through the decoder layers'
+    backward. Nothing is gathered (a whole weight's gather is a no-op, and partitioning is local), so
+    ranks need not agree."""
+    if not hasattr(weight, "ds_id") or not zero3_gathered(weight):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters([weight])
+
+
 def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (h @ weight.t()).float()  # [c, V] fp32, as the model's head followed by .float()
 
@@ -124,9 +136,9 @@ class HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         (hidden, targets, lse), weight = ctx.saved_tensors, ctx.weight
         grad_h = torch.empty_like(hidden)
-        # kept: everything is linear in g; recomputed: the weight is gathered again (and released after:
-        # the decoder layers' backward does not need it)
-        with contextlib.nullcontext() if ctx.keep else _gathered(weight):
+        # kept: everything is linear in g; recomputed: the weight is gathered again. Either way it is
+        # partitioned after: the decoder layers' backward does not need it
+        with _released(weight) if ctx.keep else _gathered(weight):
             for k, i in enumerate(range(0, hidden.shape[0], ctx.chunk)):
                 h, t, s = hidden[i:i + ctx.chunk], targets[i:i + ctx.chunk], lse[i:i + ctx.chunk]
                 if ctx.keep:
