@@ -13,6 +13,7 @@ import torch
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import RunConfig, StageConfig
 from longsft.train.model.loss import register_fused_loss
+from longsft.train.model.tied_head import hold_whole_weight
 from longsft.train.training.checkpoint import safe_loading
 
 DS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
@@ -131,6 +132,10 @@ def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=copy.deepcopy(ds_config), lr_scheduler=sched)
     register_fused_loss(engine.module)  # model.loss_kernel=liger: the head weight, now surely partitioned
+    zero = ds_config.get("zero_optimization") or {}
+    if zero.get("stage") == 3:
+        distance = zero.get("stage3_max_reuse_distance", 1e9)
+        hold_whole_weight(engine.module, float(distance) if isinstance(distance, (int, float)) else 1e9)
     safe_loading(engine)
     return engine
 
