@@ -359,8 +359,7 @@ def test_the_tied_weight_is_held_whole_as_zero3_would_reuse_it():
     backward and the embedding's (all but the tied weight) within it: held; more: partitioned after."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from longsft.train.model.loss import attach_fused_loss
-    from longsft.train.model.tied_head import hold_whole_weight
+    from longsft.train.model.loss import attach_fused_loss, hold_whole_weight
 
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,

@@ -39,7 +39,7 @@ class Deferred:
     def __init__(self):
         self.parts: list[tuple] = []
         self.recompute = False  # the parts are recomputed (the embedding's backward gathers the weight)
-        self.hold = False  # a weight ZeRO-3 holds whole stays so through the backward (see hold_whole_weight)
+        self.hold = False  # a weight ZeRO-3 holds whole stays so through the backward (see loss.hold_whole_weight)
 
     def dense(self, shape: torch.Size, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor:
         """``Σ dlogitsᵀ @ hidden`` over every part as a new ``[V, H]`` tensor (written by the first
@@ -192,18 +192,3 @@ def defer_into_embedding(model, deferred: Deferred) -> None:
         return _Embedding.apply(ids, emb.weight, emb.padding_idx, deferred)
 
     emb.forward = forward
-
-
-def hold_whole_weight(model, max_reuse_distance: float) -> None:
-    """ZeRO-3's reuse rule for the tied weight between the head's backward and the embedding's: keep it
-    whole (no second gather for the embedding's backward) when the parameters the decoder fetches in
-    between number at most ``stage3_max_reuse_distance``, as ZeRO-3 keeps any parameter; otherwise
-    partition it after the head (its memory is freed for the layers' backward). Same on every rank."""
-    from longsft.train.model.loss import FUSED_LOSS
-
-    fused = getattr(model, FUSED_LOSS, None)
-    if fused is None or fused.kind != "tied":
-        return
-    weight = model.get_input_embeddings().weight
-    between = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p is not weight)
-    fused.deferred.hold = between <= max_reuse_distance

@@ -12,8 +12,7 @@ import torch
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import RunConfig, StageConfig
-from longsft.train.model.loss import register_fused_loss
-from longsft.train.model.tied_head import hold_whole_weight
+from longsft.train.model.loss import hold_whole_weight, register_fused_loss
 from longsft.train.training.checkpoint import safe_loading
 
 DS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
