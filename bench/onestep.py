@@ -5,6 +5,7 @@ The engine, loss and data path are the trainer's (``build_ds_config``, ``build_e
 tokens whose last ``answer`` tokens are the targets.
 """
 
+import dataclasses
 import os
 import socket
 
@@ -43,11 +44,22 @@ def zero3_engine(cfg, total_steps: int, world_size: int = 1):
     from longsft.train.training.engine import build_ds_config, build_engine
 
     ds = build_ds_config(cfg, cfg.stages[0], world_size, build_hf_config(cfg.model).hidden_size)
+    made = choices(cfg, world_size)
+    m = dataclasses.replace(cfg.model, keep_attention=made.keep_attention)  # auto resolved, as the trainer does
     hf_ds = HfDeepSpeedConfig(ds)  # alive while the model is built: ZeRO-3 partitions as it loads
-    model = build_model(cfg.model, seed=cfg.seed, sp_size=cfg.parallel.sp_size, packing=cfg.data.packing)
-    engine = build_engine(cfg, model, ds, total_steps)
-    engine.hf_ds_config = hf_ds
+    model = build_model(m, seed=cfg.seed, sp_size=cfg.parallel.sp_size, packing=cfg.data.packing)
+    engine = build_engine(cfg, model, ds, total_steps, made.hold_tied_weight)
+    engine.hf_ds_config, engine.longsft_model_cfg, engine.longsft_choices = hf_ds, m, made
     return engine
+
+
+def choices(cfg, world_size: int = 1, answer: int = ANSWER):
+    """The trainer's per-stage choices (``plan.choose``, made on rank 0) for ``cfg``'s first stage."""
+    from longsft.train import plan
+    from longsft.train.parallel import comm
+
+    made = plan.choose(cfg, cfg.stages[0], world_size, world_size, answer) if comm.rank() == 0 else None
+    return comm.broadcast_object(made)
 
 
 def step(engine, cfg, batch) -> tuple[float, int]:
@@ -56,10 +68,10 @@ def step(engine, cfg, batch) -> tuple[float, int]:
     from longsft.train.model.loss import backward_scale, token_loss_sum
     from longsft.train.parallel import comm
     from longsft.train.parallel.attention import active
-    from longsft.train.training.step import keeps_attention
+    from longsft.train.config import keeps_attention
 
-    m = cfg.model
-    with active(keep_attention=keeps_attention(m)):  # the sequence-parallel attention, when the model has it
+    m = engine.longsft_model_cfg  # as zero3_engine resolved it
+    with active(keep_attention=keeps_attention(m, cfg.parallel.sp_size, cfg.data.packing)):
         loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)
         n_global = comm.all_reduce([n])[0] if comm.active() else n
         engine.backward(loss * backward_scale(n_global, engine.dp_world_size, 1))

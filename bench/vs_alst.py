@@ -165,7 +165,7 @@ def worker(args) -> None:
     ids = torch.randint(0, vocab, (args.seq,), generator=torch.Generator().manual_seed(0)).tolist()
     item = Encoded(Meta("b", "en", 4), ids, args.seq - onestep.ANSWER)
     full = collate([item], 0)
-    impls = [i for i in args.impls if sp > 1 or i == "torch"]  # one rank: plain attention, nothing to keep
+    impls = [i for i in args.impls if sp > 1 or i in ("torch", "torch+keep")]  # one rank: the ring's single block
     engines, batches, cfgs = {}, {}, {}
     for impl in impls:
         if impl == "alst":
@@ -209,7 +209,14 @@ def worker(args) -> None:
             for key in ("first_loss", "first_grad_norm"):
                 if abs(r[key] - ref[key]) > 1e-4 * abs(ref[key]):
                     raise SystemExit(f"{impl} {key} {r[key]} differs from {impls[0]}'s {ref[key]}: not the same step")
-        Path(args.out).write_text(json.dumps({"seq": args.seq, "sp": sp, "impls": out}))
+        # what longsft's defaults do in this run (model.keep_attention=auto; the tied weight's hold), as the
+        # trainer decides them (plan.choose) on this machine
+        made = onestep.choices(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, keep_attention="auto")),
+                               sp)
+        Path(args.out).write_text(json.dumps({"seq": args.seq, "sp": sp, "impls": out, "defaults": {
+            "keep_attention": made.keep_attention, "hold_tied_weight": made.hold_tied_weight, "note": made.note}}))
+    else:
+        onestep.choices(cfg, sp)  # (a broadcast from rank 0)
     distributed.shutdown()
 
 
@@ -259,8 +266,9 @@ def main() -> None:
     for seq in args.lengths:
         tmp = ROOT / "bench" / "results" / f".vs_alst_{seq}.json"
         row = _job(seq, 2, args, tmp)
-        if args.sp1:
-            row["sp1"] = _job(seq, 1, args, tmp)["impls"]["torch"]
+        if args.sp1:  # longsft on one rank, attention recomputed and kept
+            one = _job(seq, 1, args, tmp)["impls"]
+            row["sp1"], row["sp1+keep"] = one["torch"], one.get("torch+keep")
         results.append(row)
         _report(results)
     write_result(args.out, {"benchmark": "vs_alst", "model_overrides": args.model, "longsft_overrides": args.longsft,
@@ -286,12 +294,19 @@ def _report(results: list[dict]) -> None:
                 vs = mem = "–"
             print(f"| {row['seq']} | {impl} | {_med(r['wall'])} | {_med(r['cpu'])} | {r['peak_mib']:.0f} | {vs} | {mem} "
                   f"| {r['first_loss']:.6f} | {r['first_grad_norm']:.6f} |")
-        if "sp1" in row:
-            row["sp2_over_sp1_memory"] = {i: r["peak_mib"] / row["sp1"]["peak_mib"] for i, r in row["impls"].items()
-                                          if i != "alst"}  # longsft's sp=2 over its own sp=1
-            print(f"| {row['seq']} | torch sp=1 | {_med(row['sp1']['wall'])} | {_med(row['sp1']['cpu'])} | "
-                  f"{row['sp1']['peak_mib']:.0f} | sp=2/sp=1 memory: " + ", ".join(
-                      f"{i} {v:.2f}" for i, v in row["sp2_over_sp1_memory"].items()) + " | | | |")
+        if "sp1" in row:  # longsft's sp=2 over its own sp=1 with the same attention setting (kept or not)
+            one = {i: row["sp1+keep" if i.endswith("+keep") and row.get("sp1+keep") else "sp1"]
+                   for i in row["impls"] if i != "alst"}
+            row["sp2_over_sp1_memory"] = {i: row["impls"][i]["peak_mib"] / r["peak_mib"] for i, r in one.items()}
+            for name in ("sp1", "sp1+keep"):
+                if row.get(name):
+                    r = row[name]
+                    print(f"| {row['seq']} | torch{name[3:]} sp=1 | {_med(r['wall'])} | {_med(r['cpu'])} | "
+                          f"{r['peak_mib']:.0f} | | | {r['first_loss']:.6f} | {r['first_grad_norm']:.6f} |")
+            print(f"| {row['seq']} | sp=2 / sp=1 memory | " + ", ".join(
+                f"{i} {v:.2f}" for i, v in row["sp2_over_sp1_memory"].items()) + " | | | | | | |")
+        if "defaults" in row:
+            print(f"| {row['seq']} | longsft's defaults here | {row['defaults']['note']} | | | | | | |")
 
 
 if __name__ == "__main__":

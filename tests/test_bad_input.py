@@ -247,7 +247,7 @@ def _fake_run(run_dir, cfg_overrides=(), trained=False):
     return cfg
 
 
-def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path):
+def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path, capsys):
     from longsft.train.training.curriculum import check_resolved_config
 
     _fake_run(tmp_path / "run", ["optim.lr=1e-3"])
@@ -264,6 +264,14 @@ def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path):
     del old["model"]["gguf_file"], old["validation"]["whole_model_gb"]  # defaults None and 4.0
     saved.write_text(yaml.safe_dump(old))
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
+    # and resumes with memory settings changed (after running out of memory, say): the same training
+    old["model"]["keep_attention"], old["model"]["mlp_tile_tokens"] = False, 1024  # now: auto, 0
+    saved.write_text(yaml.safe_dump(old))
+    assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
+    assert "resuming with model.keep_attention: False -> 'auto'; model.mlp_tile_tokens: 1024 -> 0 (memory and speed " \
+           "settings only)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"optim.lr: 0.001 -> 0.0001"):  # not with anything else changed
+        check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-4"]))
 
 
 def test_report_of_a_run_keeps_the_runs_own_report(tmp_path, capsys):

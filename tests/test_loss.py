@@ -352,22 +352,3 @@ def test_liger_equals_the_naive_path(liger_cpu, tiny_model_dir, sample_dir, toke
     assert set(got) == set(ref)
     for k, g in ref.items():
         assert ((got[k] - g).norm() / g.norm().clamp_min(1e-12)).item() < 1e-4, k
-
-
-def test_the_tied_weight_is_held_whole_as_zero3_would_reuse_it():
-    """hold_whole_weight follows stage3_max_reuse_distance: the decoder's parameters between the head's
-    backward and the embedding's (all but the tied weight) within it: held; more: partitioned after."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from longsft.train.model.loss import attach_fused_loss, hold_whole_weight
-
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                         tie_word_embeddings=True))
-    attach_fused_loss(model, "tied")
-    between = sum(p.numel() for p in model.parameters()) - 1000 * 32
-    deferred = model.longsft_fused_head_loss.deferred
-    hold_whole_weight(model, between)
-    assert deferred.hold
-    hold_whole_weight(model, between - 1)
-    assert not deferred.hold

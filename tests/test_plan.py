@@ -142,3 +142,72 @@ def test_prediction_matches_a_measured_peak(tmp_path):
                    capture_output=True)
     row = json.loads(out.read_text())["rows"][0]
     assert abs(row["error"]) < 0.15, row
+
+
+def test_keep_attention_auto_keeps_where_the_stage_fits_with_it():
+    """``model.keep_attention=auto`` (the default) is ``true`` wherever the stage fits with it, else ``false``;
+    on one rank it counts too (the ring's single block keeps it), except for packed documents."""
+    cfg = load_config("qwen3_32b")
+    shape, stage = plan.model_shape(cfg), cfg.stages[0]
+    on, off = (plan.estimate(load_config("qwen3_32b", [f"model.keep_attention={v}"]), stage, shape, plan.Hardware())
+               for v in ("true", "false"))
+    assert on.keep_attention and not off.keep_attention and on.total > off.total
+    for gib, keeps in ((on.total / plan.GIB + 0.01, True), ((on.total + off.total) / 2 / plan.GIB, False)):
+        auto = plan.estimate(cfg, stage, shape, plan.Hardware(gpu_gib=gib))
+        assert auto.keep_attention == keeps and auto.fits and auto.total == (on if keeps else off).total
+    one = [plan.estimate(load_config("tiny", ["parallel.sp_size=1", f"model.keep_attention={v}", *extra]),
+                         load_config("tiny").stages[-1], plan.model_shape(load_config("tiny")), plan.Hardware(1))
+           for v, extra in (("true", []), ("false", []), ("true", ["data.packing=true"]))]
+    assert one[0].keep_attention and one[0].phases["layers"]["activations"] > one[1].phases["layers"]["activations"]
+    assert not one[2].keep_attention and one[2].phases["layers"]["activations"] == one[1].phases["layers"]["activations"]
+
+
+WIDE = [f"model.config.{kv}" for kv in ("hidden_size=512", "intermediate_size=1536", "num_hidden_layers=4",
+                                        "num_attention_heads=8", "num_key_value_heads=2", "head_dim=64",
+                                        "max_position_embeddings=131072")]
+
+
+@pytest.mark.parametrize("overrides, seq, held", [
+    ([], 512, True),  # the demo's warmup: the decoder's backward is far below the embedding's
+    (WIDE, 16384, True),  # bench/vs_alst.py's model: the embedding's backward is still the step's peak
+    (WIDE, 32768, False),  # the layers' backward is: holding [V, H] there would raise the peak
+    (["model.config.tie_word_embeddings=false"], 512, False)])  # untied: nothing to hold
+def test_tied_weight_is_held_only_where_it_costs_no_peak(overrides, seq, held):
+    cfg = load_config("tiny", [*overrides, "parallel.sp_size=2", f"stages.0.seq_len={seq}", "model.dtype=fp32",
+                               "model.keep_attention=false"])
+    shape = plan.model_shape(cfg)
+    e = plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(2, cuda=False), targets=64)
+    assert e.hold_tied_weight == held
+    weight = 4 * shape.largest_module
+    layers, embedding = (sum(e.phases[k].values()) for k in ("layers", "embedding"))
+    if held:  # counted in the layers' backward, which stays under the embedding's
+        assert e.phases["layers"]["gathered"] >= weight and layers <= embedding
+    elif shape.tied:  # released after the head: the layers' backward does not count it, and with it would peak
+        assert e.phases["layers"]["gathered"] < weight and layers + weight > embedding
+
+
+def test_tied_weight_released_beyond_the_reuse_distance(tmp_path):
+    """ZeRO-3 would not keep a parameter reused beyond ``stage3_max_reuse_distance``: neither does longsft."""
+    ds = json.loads((ROOT / "ds_configs" / "zero3_offload.json").read_text())
+    ds["zero_optimization"]["stage3_max_reuse_distance"] = 1000
+    (tmp_path / "short.json").write_text(json.dumps(ds))
+    for config, held in (("zero3_offload", True), (str(tmp_path / "short.json"), False)):
+        cfg = load_config("tiny", [f"deepspeed.config={config}"])
+        e = plan.estimate(cfg, cfg.stages[0], plan.model_shape(cfg), plan.Hardware(2, cuda=False), targets=64)
+        assert e.hold_tied_weight == held
+
+
+def test_planner_builds_its_model_alone_beside_a_zero3_run():
+    """The trainer plans each stage on rank 0 while a ZeRO-3 ``HfDeepSpeedConfig`` may be alive (the bench
+    keeps several engines): the meta-device model must not be built inside ``deepspeed.zero.Init``, a
+    collective only one rank would enter (it hung the other ranks). Here no process group exists at all."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    cfg = load_config("tiny")
+    live = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    assert is_deepspeed_zero3_enabled()
+    e = plan.estimate(cfg, cfg.stages[0], plan.model_shape(cfg), plan.Hardware(2, cuda=False), targets=64)
+    assert e.keep_attention and e.hold_tied_weight
+    assert is_deepspeed_zero3_enabled()  # set back
+    del live

@@ -68,7 +68,7 @@ def test_ulysses_head_count_is_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 4])  # 1: one rank keeping its attention (the ring's single block)
 def test_ring_attention_equals_full_attention(tmp_path, nproc):
     out = tmp_path / "errs.json"
     # ring_flash_attn: ring-flash-attn's own ring code, fed flash-attn's kernel interface on CPU
@@ -77,7 +77,9 @@ def test_ring_attention_equals_full_attention(tmp_path, nproc):
         p for p in (stand_in, os.environ.get("PYTHONPATH")) if p)}
     torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc, env=env)
     cases = json.loads(out.read_text())
-    assert {c["backend"] for c in cases} == {"torch", "ulysses", "ring_flash_attn"}
+    # (one rank: the ring's single block is what keep_attention uses there; ring-flash-attn is sp > 1 only)
+    assert {c["backend"] for c in cases} == {"torch", "ulysses", "ring_flash_attn"} - ({"ring_flash_attn"} if nproc == 1
+                                                                                         else set())
     assert {c["packed"] for c in cases} == {True, False}
     for case in cases:
         tol = 1e-5 if case["dtype"] == "torch.float32" else 2e-2  # bf16: rounding of inputs/outputs
@@ -107,7 +109,10 @@ def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir,
     ref = reference_step(model, data, 1, common)
     torchrun([STEP, "ds", model, data, str(got), "1", *common, "parallel.sp_size=2",
               f"parallel.sp_backend={backend}", *extra], nproc=2)
-    compare_steps(ref, got)
+    # fp32 sums in another order: Ulysses' q_norm weight gradient (a sum over every token, with
+    # cancellation) measured 1.2e-5 on an AMD EPYC (below 1e-5 on Intel Xeons); a wrong scale or a
+    # missed token is 1e-2 or more
+    compare_steps(ref, got, rel_grad=3e-5 if backend == "ulysses" else 1e-5)
 
 
 @pytest.mark.slow

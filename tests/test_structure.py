@@ -9,8 +9,9 @@ file, function-level imports included):
    which sequence-parallel backend can run here, which config validation calls)
 3. ``train.parallel``, ``train.data``: process groups and sequence parallelism; samples and batches
 4. ``train.model``: model, tokenizer, loss
-5. ``train.training``, ``train.datagen``: the training loop; data construction
-6. ``train.plan``, ``eval``: the memory planner; evaluation harness, backends, report, ConStory, serve
+5. ``train.training``, ``train.plan``, ``train.datagen``: the training loop and the memory planner whose
+   choices it takes per stage (kept attention, the tied head's weight); data construction
+6. ``eval``: evaluation harness, backends, report, ConStory, serve
 7. ``train.cluster``: SLURM submission and sweeps
 8. ``train.cli``: the command line
 """
@@ -24,7 +25,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [("train.common",), ("eval.scoring",), ("train.config", "train.parallel.backends"), ("train.parallel", "train.data"),
-          ("train.model",), ("train.training", "train.datagen"), ("train.plan", "eval"), ("train.cluster",),
+          ("train.model",), ("train.training", "train.plan", "train.datagen"), ("eval",), ("train.cluster",),
           ("train.cli",)]
 
 

@@ -6,6 +6,8 @@ the loss is the token mean over the whole global batch, so any mistake in the sc
 DeepSpeed's gradient averaging or accumulation shows up as a factor in loss or gradients.
 """
 
+import json
+
 import pytest
 from conftest import ROOT, compare_steps, reference_step, torchrun
 
@@ -21,10 +23,20 @@ SCRIPT = str(ROOT / "tests" / "dist" / "step_grads.py")
     # seed 2: in the second micro-step one rank has 38 answer tokens, more than hidden / 2 = 32 (the tied
     # head recomputes its logit gradients rather than keep them) and the other 18: the ranks must still
     # make one choice, which decides whether the backward gathers the weight
-    ("zero3_offload", ["seed=2"])])
+    ("zero3_offload", ["seed=2"]),
+    # a reuse distance below the decoder's parameters: the tied weight is released after the head and
+    # gathered again for the embedding's backward (the planner's choice at long sequences, too); and the
+    # layers recompute their attention (model.keep_attention=false; auto keeps it in the other cases)
+    ("zero3_offload_short_reuse", ["model.keep_attention=false"]),
+    ("zero3_offload_short_reuse", ["seed=2"])])
 def test_two_rank_step_equals_single_process(tmp_path, tiny_model_dir, sample_dir, ds_config, extra):
     tiny_model_dir = tiny_model_dir("qwen3")
     data = str(sample_dir / "512" / "train.jsonl")
+    if ds_config.endswith("_short_reuse"):
+        ds = json.loads((ROOT / "ds_configs" / "zero3_offload.json").read_text())
+        ds["zero_optimization"]["stage3_max_reuse_distance"] = 1000
+        ds_config = str(tmp_path / "short_reuse.json")
+        (tmp_path / "short_reuse.json").write_text(json.dumps(ds))
     common = ["optim.grad_accum=2", f"deepspeed.config={ds_config}", "model.gradient_checkpointing=true",
               "parallel.sp_size=1"]  # 2 data-parallel ranks
     ds = tmp_path / "ds.pt"

@@ -63,11 +63,19 @@ class ModelConfig:
     # Run each decoder layer's MLP this many tokens at a time, each tile checkpointed (0: whole
     # sequence): the [tokens, intermediate] tensors of a layer's backward shrink to one tile's.
     mlp_tile_tokens: int = 0
-    # With gradient checkpointing and parallel.sp_size > 1: keep each layer's attention output and
-    # log-sum-exp from the forward, so the layer's recompute in the backward runs neither the
-    # attention kernels nor the ring / all-to-all again (faster; one more [tokens, heads * head_dim]
-    # tensor per layer stays on the device, counted by longsft plan).
-    keep_attention: bool = False
+    # With gradient checkpointing: keep each layer's attention output and log-sum-exp from the
+    # forward, so the layer's recompute in the backward runs neither the attention kernels nor the
+    # ring / all-to-all again (faster; one more [tokens, heads * head_dim] tensor per layer stays on the
+    # device). auto: per stage, wherever the stage fits this job's memory with it (longsft plan).
+    keep_attention: bool | Literal["auto"] = "auto"
+
+
+def keeps_attention(m: ModelConfig, sp_size: int, packing: bool) -> bool:
+    """Whether the layers' recompute reuses their attention: ``model.keep_attention`` true (``auto`` is
+    resolved per stage by the trainer through ``plan.estimate``; unresolved it keeps nothing), with
+    gradient checkpointing, under sequence parallelism or on one rank's unpacked sequences (packed
+    documents on one rank go through per-document SDPA, which keeps nothing)."""
+    return m.keep_attention is True and m.gradient_checkpointing and (sp_size > 1 or not packing)
 
 
 @dataclass

@@ -47,10 +47,10 @@ from pathlib import Path
 
 import torch
 
-from longsft.train.common.compat import storage_id, torch_dispatch_mode, tree_leaves
+from longsft.train.common.compat import storage_id, torch_dispatch_mode, tree_leaves, without_zero3_init
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import read_json
-from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig
+from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig, keeps_attention
 from longsft.train.data.token_cache import host_bytes
 from longsft.train.model.build import build_hf_config
 from longsft.train.model.loss import logit_softcap
@@ -133,6 +133,11 @@ class Estimate:
     data_per_gpu: float = 0.0  # host memory of the samples a rank holds (in host_per_node)
     samples: int | None = None  # in the stage's sources (None: not there yet, not counted)
     gpu_bytes: float = 0.0
+    # what the run does at this stage (``choose``): the layers' attention kept for their recompute
+    # (``model.keep_attention``, ``auto`` resolved) and the tied head's weight held whole through the
+    # decoder layers' backward (no second gather for the embedding's backward)
+    keep_attention: bool = False
+    hold_tied_weight: bool = False
 
     @property
     def peak_phase(self) -> str:
@@ -250,7 +255,7 @@ def _meta_model(hf, layers: int, dtype: torch.dtype):
     for key in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the layer count
         if isinstance(getattr(hf, key, None), list):
             setattr(hf, key, getattr(hf, key)[:layers])
-    with torch.device("meta"):
+    with torch.device("meta"), without_zero3_init():  # built on this rank alone, even beside a ZeRO-3 run
         return AutoModelForCausalLM.from_config(hf, dtype=dtype, attn_implementation="longsft_plan_trace")
 
 
@@ -295,7 +300,7 @@ def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lean_layers(model)  # as build_model does
     if m.mlp_tile_tokens:
-        tile_mlps(model, m.mlp_tile_tokens)
+        tile_mlps(model, m.mlp_tile_tokens, synced=False)  # traced on this rank alone
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     x = torch.zeros(1, tokens, hf.hidden_size, device="meta", dtype=dtype, requires_grad=True)
@@ -379,7 +384,20 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     """Predicted per-GPU peak of one stage (bytes by term) and host memory per node.
 
     ``targets``: loss rows per GPU; None takes the worst case (every local token is a target).
+    ``model.keep_attention=auto`` keeps the attention where the stage fits with it (``hw``), else not;
+    the estimate says which (``Estimate.keep_attention``).
     """
+    if cfg.model.keep_attention != "auto":
+        return _estimate(cfg, stage, shape, hw, targets)
+    kept = _estimate(_keep(cfg, True), stage, shape, hw, targets)
+    return kept if kept.fits else _estimate(_keep(cfg, False), stage, shape, hw, targets)
+
+
+def _keep(cfg: RunConfig, keep: bool) -> RunConfig:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, keep_attention=keep))
+
+
+def _estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targets: int | None) -> Estimate:
     world, sp = hw.world, cfg.parallel.sp_size
     if world % sp:
         raise ConfigError(f"parallel.sp_size={sp} does not divide the world size {world}")
@@ -407,7 +425,8 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
 
     # activations: traced peak over the decoder stack (one layer, plus each further layer's share)
     stack, kept = stack_activations(shape, cfg.model, t)  # kept: alive from the forward's end on
-    if cfg.model.keep_attention and cfg.model.gradient_checkpointing and sp > 1:
+    keep = keeps_attention(cfg.model, sp, cfg.data.packing)
+    if keep:
         # each layer's attention output and fp32 log-sum-exp, kept from its forward to its recompute
         stack, kept = stack + L * t * (h * d * b + 4 * h), kept + L * t * (h * d * b + 4 * h)
     if cfg.model.offload_activations and cfg.model.gradient_checkpointing:
@@ -445,13 +464,24 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     head_grad = 0 if deferred else big_grad
     held = (rows * H * b + (rows * V * b if keeps_dlogits(rows, H) else rows * 8)) if deferred else \
         (big_grad if shape.tied else 0)
+    layers = {"gathered": big + b * shape.layer_params, "weight_grad": held, "activations": stack,
+              "attention": ring, "comm": comm, "reuse": reuse}
+    embedding = {"gathered": big, "weight_grad": big_grad, "activations": t * H * b, "comm": comm}
+    # A tied head's weight stays gathered for its reuse by the embedding (stage3_max_reuse_distance). A
+    # deferred head (model/tied_head.py) holds it only where that costs no peak memory: ZeRO-3 would keep
+    # it (the decoder's parameters within the reuse distance) and the layers' backward with it stays under
+    # the embedding's backward, which gathers it anyway. Otherwise it is partitioned after the head and
+    # gathered again for the embedding: one [V, H] all-gather more, the weight's memory free meanwhile.
+    hold = not deferred or (shape.params - shape.largest_module <= z["reuse_distance"]
+                            and sum(layers.values()) <= sum(embedding.values()))
+    if not hold:
+        layers["gathered"] -= big
+    e.keep_attention, e.hold_tied_weight = keep, hold and shape.tied
     e.phases = {
         "loss": {"gathered": big, "weight_grad": head_grad, "activations": kept, "loss": loss, "comm": comm,
                  "reuse": reuse},
-        # the head stays gathered for its reuse by a tied embedding (stage3_max_reuse_distance)
-        "layers": {"gathered": big + b * shape.layer_params, "weight_grad": held, "activations": stack,
-                   "attention": ring, "comm": comm, "reuse": reuse},
-        "embedding": {"gathered": big, "weight_grad": big_grad, "activations": t * H * b, "comm": comm},
+        "layers": layers,
+        "embedding": embedding,
     }
     if stage.validate:  # generate() prefills the whole prompt (no SP split) with a KV cache on every rank
         s_val = stage.seq_len
@@ -471,6 +501,57 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
     return e
 
 
+def this_job(world: int, local_world: int) -> Hardware:
+    """The hardware this process runs on: its GPU as PyTorch reports it, or on CPU each local rank's
+    share of the host memory available now."""
+    nodes = max(1, world // max(1, local_world))
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        return Hardware(gpus_per_node=world // nodes, nodes=nodes, gpu_gib=total / GIB)
+    return Hardware(gpus_per_node=world // nodes, nodes=nodes, gpu_gib=available_host_bytes() / local_world / GIB,
+                    cuda=False)
+
+
+def available_host_bytes() -> float:
+    """MemAvailable of /proc/meminfo (Linux), else the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass
+class Choices:
+    """What a run does at one stage, as the planner decides it on the job's hardware (:func:`choose`)."""
+
+    keep_attention: bool  # the layers' recompute reuses their attention (``model.keep_attention``)
+    hold_tied_weight: bool  # a tied head's weight stays whole through the decoder layers' backward
+    note: str  # one line for the log
+
+
+def choose(cfg: RunConfig, stage: StageConfig, world: int, local_world: int, targets: int) -> Choices:
+    """``stage``'s choices on this job's hardware (:func:`this_job`), ``targets`` loss rows per rank and
+    micro-step: ``model.keep_attention=auto`` keeps where the stage fits with it, a deferred tied head's
+    weight is held where that costs no peak memory. Without a plan (not ZeRO-3, say), ``auto`` keeps
+    nothing and the weight is released. Call it on one rank and hand the result to the others."""
+    auto = " (auto)" if cfg.model.keep_attention == "auto" else ""
+    hw = this_job(world, local_world)
+    try:
+        shape = model_shape(cfg)
+        est = estimate(cfg, stage, shape, hw, targets)
+    except ConfigError as e:
+        keep = keeps_attention(cfg.model, cfg.parallel.sp_size, cfg.data.packing)  # (auto: False)
+        return Choices(keep, False, f"no memory plan ({e}); keep_attention {'on' if keep else 'off'}{auto}")
+    where = f"{hw.gpu_gib:.1f} GiB per {'GPU' if hw.cuda else 'rank (host memory available)'}"
+    held = f", tied head weight {'held' if est.hold_tied_weight else 'released'} in the backward" if shape.tied else ""
+    return Choices(est.keep_attention, est.hold_tied_weight,
+                   f"planned peak {est.total / GIB:.2f} GiB of {where}; keep_attention "
+                   f"{'on' if est.keep_attention else 'off'}{auto}{held}")
+
+
 def plan(cfg: RunConfig, hw: Hardware, targets: int | None = None) -> tuple[Shape, list[Estimate]]:
     shape = model_shape(cfg)
     return shape, [estimate(cfg, s, shape, hw, targets) for s in cfg.stages]
@@ -485,7 +566,7 @@ def advice(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targe
             tries.append({"parallel.sp_size": sp})
     if not cfg.model.gradient_checkpointing:
         tries.append({"model.gradient_checkpointing": True})
-    if cfg.model.keep_attention:
+    if cfg.model.keep_attention is True:
         tries.append({"model.keep_attention": False})
     tries += [{"deepspeed.offload_optimizer": True}, {"deepspeed.offload_param": True},
               {"model.offload_activations": True}]

@@ -46,7 +46,7 @@ def main(out_path: str) -> None:
     from longsft.train.parallel.layout import zigzag_index
     from longsft.train.parallel.ring import zigzag_ring_attention
 
-    d = distributed.init(int(os.environ["WORLD_SIZE"]))
+    d = distributed.init(int(os.environ.get("WORLD_SIZE", "1")))
     n = d.world_size
     results = []
     cases = [(torch.float32, 8 * n, 4, 4, None), (torch.float32, 24 * n, 4, 2, None), (torch.float32, 2 * n, 2, 1, None),
@@ -55,7 +55,7 @@ def main(out_path: str) -> None:
              (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3]),
              (torch.bfloat16, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17])]
     backends = ["torch", "ulysses"]
-    if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN"):  # tests/flash_attn_cpu on PYTHONPATH
+    if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN") and n > 1:  # tests/flash_attn_cpu on PYTHONPATH
         backends.append("ring_flash_attn")
         setup(d.sp_group, list(range(n)), d.rank, "ring_flash_attn")
     attention = {"torch": zigzag_ring_attention, "ulysses": ulysses_attention,

@@ -10,11 +10,13 @@ otherwise raises :class:`UnsupportedVersion` naming the installed version and th
   the memory planner traces with;
 - :func:`zero3_full_state_dict`: DeepSpeed's ``_zero3_consolidated_16bit_state_dict``;
 - :func:`routes_attention`: transformers' ``_supports_attention_backend`` class flag;
+- :func:`without_zero3_init`: transformers' ``HfDeepSpeedConfig`` reference, set aside;
 - :func:`import_bare`: a ring-flash-attn module imported without the package's ``__init__``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.machinery
@@ -206,6 +208,24 @@ def routes_attention(model_cls: type) -> bool:
         raise unsupported("transformers", "PreTrainedModel._supports_attention_backend is missing (longsft checks "
                                           "with it that a model's attention can be sequence-parallel)")
     return bool(getattr(model_cls, "_supports_attention_backend", False))
+
+
+@contextlib.contextmanager
+def without_zero3_init():
+    """Inside, transformers builds models whole on this rank: while an ``HfDeepSpeedConfig`` of ZeRO-3 is
+    alive (``integrations.deepspeed._hf_deepspeed_config_weak_ref``), ``from_config`` would partition
+    the weights inside ``deepspeed.zero.Init``, a collective, which a model only one rank builds (the
+    planner's meta-device trace) must not enter."""
+    import transformers.integrations.deepspeed as hf_ds
+
+    if not hasattr(hf_ds, "_hf_deepspeed_config_weak_ref"):
+        raise unsupported("transformers", "transformers.integrations.deepspeed._hf_deepspeed_config_weak_ref is "
+                                          "missing (the planner sets it aside to build its meta-device model)")
+    ref, hf_ds._hf_deepspeed_config_weak_ref = hf_ds._hf_deepspeed_config_weak_ref, None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
 
 
 # -------------------------------------------------------------------------------- ring-flash-attn

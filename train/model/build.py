@@ -11,7 +11,7 @@ import torch
 from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import cache_dir, weights_source
-from longsft.train.config import ModelConfig
+from longsft.train.config import ModelConfig, keeps_attention
 from longsft.train.model.loss import attach_fused_loss, logit_softcap
 from longsft.train.model.layers import lean_layers, tile_mlps
 from longsft.train.model.tied_head import deferrable
@@ -122,7 +122,8 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
                 packing: bool = False):
     """Load (``init_from`` or ``cfg.path``) or build from ``cfg.config`` a causal LM for training.
 
-    With ``sp_size > 1`` or packed documents, attention runs through longsft's registry entry.
+    With ``sp_size > 1``, packed documents or kept attention (``model.keep_attention`` resolved true),
+    attention runs through longsft's registry entry.
 
     Call inside ``HfDeepSpeedConfig``'s lifetime for ZeRO-3, so large weights load partitioned.
     """
@@ -130,8 +131,8 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
 
     hf = build_hf_config(cfg, init_from)
     attn = cfg.attn_implementation
-    if sp_size > 1 or packing:
-        attn = ATTN_NAME
+    if sp_size > 1 or packing or (keeps_attention(cfg, sp_size, packing) and not _attention_quirks(hf, sp_size)):
+        attn = ATTN_NAME  # (one rank keeping attention: only a plain causal attention is taken over)
     kwargs: dict[str, Any] = dict(config=hf, dtype=torch_dtype(cfg), attn_implementation=attn,
                                   trust_remote_code=cfg.trust_remote_code)
     if init_from or cfg.path:
@@ -181,12 +182,17 @@ def attention_quirks(hf) -> list[str]:
     return list(dict.fromkeys(quirks))
 
 
+def _attention_quirks(hf, sp_size: int) -> list[str]:
+    """:func:`attention_quirks` that matter at ``sp_size`` (on one rank, rope sees every position)."""
+    return [q for q in attention_quirks(hf) if sp_size > 1 or not q.startswith("rope_type")]
+
+
 def check_attention_quirks(hf, sp_size: int, packing: bool) -> None:
     """Refuse, before any training, a model whose attention longsft's sequence-parallel or packed
     attention would compute differently from the model's own (``attention_quirks``)."""
     if sp_size <= 1 and not packing:
         return
-    quirks = [q for q in attention_quirks(hf) if sp_size > 1 or not q.startswith("rope_type")]
+    quirks = _attention_quirks(hf, sp_size)
     if quirks:
         why = "parallel.sp_size>1" if sp_size > 1 else "data.packing=true"
         raise ConfigError(f"model type {hf.model_type}: with {why} longsft's attention would train a different model "

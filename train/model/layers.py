@@ -132,13 +132,14 @@ def lean_layers(model) -> dict[str, int]:
     return n
 
 
-def tile_mlps(model, tile: int) -> None:
+def tile_mlps(model, tile: int, synced: bool = True) -> None:
     """Run every decoder layer's MLP ``tile`` tokens at a time, each tile checkpointed.
 
     The MLP is position-wise, so tiles give the same result; in the backward only one tile's
     gate/up/activation tensors ([tile, intermediate]) exist at a time. Under ZeRO-3 each call
     gathers the MLP's weights, a collective: every rank makes the same number of calls (the most
-    tiles any rank needs; empty tiles where it has fewer).
+    tiles any rank needs; empty tiles where it has fewer). ``synced=False``: this rank's own count
+    (a model only this rank runs: the planner's meta-device trace).
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -149,7 +150,8 @@ def tile_mlps(model, tile: int) -> None:
         def forward(x: torch.Tensor, whole=whole) -> torch.Tensor:  # x [batch, seq, hidden]
             if not torch.is_grad_enabled():
                 return whole(x)
-            n = comm.max_over_ranks(-(-x.shape[1] // tile))
+            n = -(-x.shape[1] // tile)
+            n = comm.max_over_ranks(n) if synced else n
             return torch.cat([checkpoint(whole, x[:, i * tile:(i + 1) * tile], use_reentrant=False)
                               for i in range(max(1, n))], dim=1)
 

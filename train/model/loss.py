@@ -202,14 +202,10 @@ def backward_scale(n_global_tokens: int, dp_world_size: int, grad_accum: int) ->
     return dp_world_size * grad_accum / max(1, n_global_tokens)
 
 
-def hold_whole_weight(model, max_reuse_distance: float) -> None:
-    """ZeRO-3's reuse rule for the tied weight between the head's backward and the embedding's: keep it
-    whole (no second gather for the embedding's backward) when the parameters the decoder fetches in
-    between number at most ``stage3_max_reuse_distance``, as ZeRO-3 keeps any parameter; otherwise
-    partition it after the head (its memory is freed for the layers' backward). Same on every rank."""
+def hold_whole_weight(model, hold: bool) -> None:
+    """Whether the tied weight stays whole from the head's backward to the embedding's (no second gather
+    for the embedding's backward) or is partitioned after the head (its memory free for the decoder
+    layers' backward). The planner decides (``Estimate.hold_tied_weight``); the same on every rank."""
     fused = getattr(model, FUSED_LOSS, None)
-    if fused is None or fused.kind != "tied":
-        return
-    weight = model.get_input_embeddings().weight
-    between = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p is not weight)
-    fused.deferred.hold = between <= max_reuse_distance
+    if fused is not None and fused.kind == "tied":
+        fused.deferred.hold = hold

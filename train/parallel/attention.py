@@ -45,10 +45,10 @@ def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
 def active(enabled: bool = True, doc_ids: torch.Tensor | None = None, keep_attention: bool = False):
     """Inside: attention layers expect zigzag-sharded sequences (and, with ``doc_ids``, packed
     documents that must not see each other). ``keep_attention``: the layers are checkpointed, and
-    what each one's attention computed is kept for its recompute (``model.keep_attention``); wrap one
-    forward and its backward."""
+    what each one's attention computed is kept for its recompute (``model.keep_attention``; on one
+    rank too, through the ring's single block); wrap one forward and its backward."""
     prev = SP.active, SP.doc_ids, SP.keep_attention
-    SP.active = enabled and (SP.size > 1 or doc_ids is not None)
+    SP.active = enabled and (SP.size > 1 or doc_ids is not None or keep_attention)
     SP.doc_ids, SP.keep_attention = doc_ids, keep_attention
     SP.kept.clear()
     try:
@@ -82,10 +82,11 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
         if kwargs.get(quirk):
             raise ValueError(f"{type(module).__name__} asks for {quirk}={kwargs[quirk]}, which longsft's sequence-"
                              "parallel and packed attention do not apply (the start-up check should have said so)")
-    if SP.size == 1:  # packed documents on one rank
+    if SP.size == 1 and SP.doc_ids is not None:  # packed documents on one rank
         out = per_document_attention(query, key, value, scaling, SP.doc_ids)
-    else:
-        out = _attend(module, BACKENDS.get(SP.backend, zigzag_ring), query, key, value, scaling)
+    else:  # (one rank: the ring's single block, for keep_attention)
+        out = _attend(module, BACKENDS.get(SP.backend, zigzag_ring) if SP.size > 1 else zigzag_ring, query, key,
+                      value, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

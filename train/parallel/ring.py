@@ -73,6 +73,10 @@ class _ZigzagRing(torch.autograd.Function):
         groups = 1 if kernel.gqa else q.shape[1] // k.shape[1]  # masked blocks run the CPU kernel: GQA too
         if kept is not None:
             out, lse = kept
+        elif SP.size == 1:  # one rank (keep_attention): its one causal block is the whole attention, no merge
+            _, _, causal, kk, vv, blk_docs = _plan(0, 0, groups, k, v, docs, docs)
+            out, lse = block_fwd(kernel, q, kk, vv, causal, scale, blk_docs)
+            lse = lse.float()
         else:
             c, (b, h, n, d) = q.shape[2] // 2, q.shape
             # [b, h, s, d] over [b, s, h, d] memory: the layer's transpose to [b, s, h * d] for its output

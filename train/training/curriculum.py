@@ -58,6 +58,12 @@ def load_state(cfg: RunConfig) -> dict:
             "stages": {s.name: {"status": "pending", "steps_done": 0} for s in cfg.stages}}
 
 
+# keys that change where memory goes and how long a step takes, never a loss or a gradient (the SP and
+# ZeRO-3 equality tests run them both ways): a run resumes with them changed, e.g. after running out of memory
+MEMORY_ONLY = ("model.keep_attention", "model.offload_activations", "model.mlp_tile_tokens",
+               "model.loss_chunk_tokens", "validation.whole_model_gb")
+
+
 def check_resolved_config(cfg: RunConfig) -> bool:
     """A resumed run must use the same resolved config (except logging). Every rank checks.
 
@@ -82,6 +88,11 @@ def check_resolved_config(cfg: RunConfig) -> bool:
     defaults = to_dict(type(cfg)())
     diff = [(k, a, b) for k, a, b in _diff(old, now) if not (a is None and b == _at(defaults, k))]
     if not diff:  # only keys added since the run was made, at their defaults
+        return False
+    if all(k in MEMORY_ONLY for k, _, _ in diff):  # a resume may trade memory for time: the same training
+        if comm.rank() == 0:
+            say("resuming with " + "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in diff)
+                + " (memory and speed settings only)")
         return False
     if not _trained(cfg):
         return True
@@ -220,8 +231,8 @@ def run(cfg: RunConfig) -> dict:
             (run_dir / "state.json").unlink(missing_ok=True)
             print(f"longsft: {run_dir} never completed a step with its config; training the new config "
                   "(the old one is in config.yaml.untrained)", file=sys.stderr, flush=True)
-        if not (run_dir / "config.yaml").exists():
-            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+        if not (run_dir / "config.yaml").exists() or read_text(run_dir / "config.yaml") != dump_yaml(cfg):
+            atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))  # (a resume's own memory settings)
     d.barrier()
     state = load_state(cfg)
     if d.is_main:

@@ -119,9 +119,10 @@ def lr_lambda(kind: str, total_steps: int, warmup: int = 0, min_ratio: float = 0
     return f
 
 
-def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
+def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int, hold_tied_weight: bool = False):
     """``deepspeed.initialize`` with our LR schedule (stepped by DeepSpeed each optimizer step); its
-    checkpoints load with ``weights_only=True`` (an unsupported DeepSpeed fails here, before training)."""
+    checkpoints load with ``weights_only=True`` (an unsupported DeepSpeed fails here, before training).
+    ``hold_tied_weight``: the planner's choice for a deferred tied head (:func:`hold_whole_weight`)."""
     import deepspeed
 
     o = cfg.optim
@@ -131,10 +132,7 @@ def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=copy.deepcopy(ds_config), lr_scheduler=sched)
     register_fused_loss(engine.module)  # model.loss_kernel=liger: the head weight, now surely partitioned
-    zero = ds_config.get("zero_optimization") or {}
-    if zero.get("stage") == 3:
-        distance = zero.get("stage3_max_reuse_distance", 1e9)
-        hold_whole_weight(engine.module, float(distance) if isinstance(distance, (int, float)) else 1e9)
+    hold_whole_weight(engine.module, hold_tied_weight)
     safe_loading(engine)
     return engine
 

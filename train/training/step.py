@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longsft.train.config import ModelConfig
+from longsft.train.config import ModelConfig, keeps_attention
 from longsft.train.data.batching import Row, StepSampler, collate
 from longsft.train.model.loss import backward_scale, token_loss_sum
 from longsft.train.parallel import comm
@@ -25,11 +25,6 @@ def n_targets(row: Row) -> int:
     """Loss tokens of one row: a document's answer tokens (collate shifts labels per document, so a
     document's first token is never a target)."""
     return sum(len(e.input_ids) - max(e.prompt_len, 1) for e in row)
-
-
-def keeps_attention(m: ModelConfig) -> bool:
-    """Whether the sequence-parallel attention keeps its output for the checkpoint's recompute."""
-    return m.keep_attention and m.gradient_checkpointing
 
 
 def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
@@ -69,7 +64,7 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
     loss_sum, tokens, targets = 0.0, 0, []
     for k, idx in enumerate(micro):
         batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing)
-        with active(doc_ids=batch.pop("doc_ids", None), keep_attention=keeps_attention(model_cfg)):
+        with active(doc_ids=batch.pop("doc_ids", None), keep_attention=keeps_attention(model_cfg, d.dims.sp_size, packing)):
             loss, n = token_loss_sum(engine, batch, model_cfg.loss_chunk_tokens, model_cfg.offload_activations,
                                      model_cfg.loss_kernel)
             engine.backward(loss * scale)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
+from longsft.train import plan
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import write_jsonl
 from longsft.train.config import RunConfig
@@ -15,11 +17,12 @@ from longsft.train.data.batching import StepSampler, pack
 from longsft.train.data.encoding import EncodeStats
 from longsft.train.data.token_cache import stage_data, stage_files
 from longsft.train.model.build import build_hf_config, build_model
+from longsft.train.parallel import comm
 from longsft.train.parallel.distributed import Dist
 from longsft.train.training import checkpoint
 from longsft.train.training.engine import build_ds_config, build_engine
 from longsft.train.training.preempt import StopRequested, StopWatch
-from longsft.train.training.step import train_step
+from longsft.train.training.step import n_targets, train_step
 from longsft.train.training.tracker import Tracker, peak_memory_gb
 from longsft.train.training.validation import is_better, run_validation
 
@@ -89,10 +92,24 @@ class StageTrainer:
 
         hidden = build_hf_config(self.cfg.model, self.init_from).hidden_size
         self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
+        keep, hold = self._memory_plan()
+        self.model_cfg = replace(self.cfg.model, keep_attention=keep)
         # Alive while the model is built: ZeRO-3 partitions weights as they load.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config)
-        model = build_model(self.cfg.model, self.init_from, self.cfg.seed, self.d.dims.sp_size, self.cfg.data.packing)
-        self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps)
+        model = build_model(self.model_cfg, self.init_from, self.cfg.seed, self.d.dims.sp_size, self.cfg.data.packing)
+        self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps, hold)
+
+    def _memory_plan(self) -> tuple[bool, bool]:
+        """(keep the layers' attention, hold a tied head's weight through the backward): the planner's
+        choices for this stage on this job's hardware (:func:`plan.choose`), made on rank 0 for every rank."""
+        choice = None
+        if self.d.is_main:
+            targets = self.cfg.optim.micro_batch_size * max(n_targets(row) for row in self.train)
+            choice = plan.choose(self.cfg, self.stage, self.d.world_size,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", "1")), targets)
+            self.tracker.write(f"stage {self.stage.name}: {choice.note}")
+            choice = choice.keep_attention, choice.hold_tied_weight
+        return comm.broadcast_object(choice)
 
     # ------------------------------------------------------------------ loop
 
@@ -174,7 +191,7 @@ class StageTrainer:
     def train_step(self, step: int, before_update=None) -> dict:
         """Global ``step`` (:func:`~longsft.train.training.step.train_step`) and its metrics record."""
         t0 = time.time()
-        st = train_step(self.engine, self.train, self.sampler, step, self.d, self.pad_id, self.cfg.model,
+        st = train_step(self.engine, self.train, self.sampler, step, self.d, self.pad_id, self.model_cfg,
                         self.cfg.data.packing, before_update)
         dt = time.time() - t0
         grad_norm = self.engine.get_global_grad_norm()
