@@ -162,6 +162,21 @@ def test_keep_attention_auto_keeps_where_the_stage_fits_with_it():
     assert not one[2].keep_attention and one[2].phases["layers"]["activations"] == one[1].phases["layers"]["activations"]
 
 
+def test_on_cpu_the_offloaded_state_shares_the_ranks_memory():
+    """On CPU the "device" is the host: a stage fits only if its peak plus what the rank offloads there
+    (optimizer state, data) does, so ``auto`` drops the kept attention where only the peak would fit."""
+    base = ["parallel.sp_size=2", "stages.0.seq_len=16384", "model.dtype=fp32"]
+    cfg = load_config("tiny", base)
+    shape, stage = plan.model_shape(cfg), cfg.stages[0]
+    on, off = (plan.estimate(load_config("tiny", [*base, f"model.keep_attention={v}"]), stage, shape,
+                             plan.Hardware(2, cuda=False)) for v in ("true", "false"))
+    assert on.host_share > 0 and plan.estimate(cfg, stage, shape, plan.Hardware(2)).host_share == 0
+    gib = ((on.total + off.total) / 2 + on.host_share) / plan.GIB
+    assert on.total < gib * plan.GIB  # the kept peak alone would fit; with the offloaded state it does not
+    auto = plan.estimate(cfg, stage, shape, plan.Hardware(2, gpu_gib=gib, cuda=False))
+    assert not auto.keep_attention and auto.fits
+
+
 WIDE = [f"model.config.{kv}" for kv in ("hidden_size=512", "intermediate_size=1536", "num_hidden_layers=4",
                                         "num_attention_heads=8", "num_key_value_heads=2", "head_dim=64",
                                         "max_position_embeddings=131072")]

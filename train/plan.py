@@ -138,6 +138,7 @@ class Estimate:
     # decoder layers' backward (no second gather for the embedding's backward)
     keep_attention: bool = False
     hold_tied_weight: bool = False
+    host_share: float = 0.0  # on CPU: the host memory a rank's offloaded state takes beside its peak
 
     @property
     def peak_phase(self) -> str:
@@ -159,7 +160,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.gpu_bytes
+        return self.total + self.host_share <= self.gpu_bytes
 
 
 # --------------------------------------------------------------------------- model shape
@@ -498,6 +499,8 @@ def _estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, ta
                      "fragmentation": hw.fragmentation * work}
     e.data_per_gpu, e.samples = host_bytes(cfg, stage)
     e.host_per_node = (host + e.data_per_gpu) * hw.gpus_per_node
+    if not hw.cuda:  # on CPU the "device" is the host: what a rank offloads takes the same memory
+        e.host_share = host + e.data_per_gpu
     return e
 
 
