@@ -15,7 +15,8 @@ from longsft.train.config import load_config, validate
 from longsft.train.data.schema import load_samples
 from longsft.train.parallel.distributed import Dist, ParallelDims, cpu_threads
 from longsft.train.training.checkpoint import MANIFEST, load_resume
-from longsft.train.training.curriculum import check_run_dir, load_state
+from longsft.train.training.curriculum import load_state
+from longsft.train.training.rundir import check_run_dir
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 
@@ -272,6 +273,39 @@ def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path, capsys):
            "settings only)" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"optim.lr: 0.001 -> 0.0001"):  # not with anything else changed
         check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-4"]))
+
+
+def test_a_finished_curriculum_returns_at_once(tmp_path):
+    """A rerun of a finished curriculum with its config says each stage is done before torch is imported,
+    and writes nothing; anything else (another config, a stage left, a damaged state) is the curriculum's."""
+    import subprocess
+    import sys
+
+    from conftest import snapshot
+
+    from longsft.train.training.rundir import finished
+
+    run = tmp_path / "run"
+    cfg = _fake_run(run, trained=True)
+    state = json.loads((run / "state.json").read_text())
+    for entry in state["stages"].values():
+        entry["status"] = "done"
+    (run / "state.json").write_text(json.dumps(state))
+    assert finished(cfg) == state
+    assert finished(load_config("tiny", [f"run_dir={run}", "logging.log_every=5"])) == state
+    assert finished(load_config("tiny", [f"run_dir={run}", "optim.lr=1e-4"])) is None  # refused by the curriculum
+    assert finished(load_config("tiny", [f"run_dir={run}", "model.keep_attention=false"])) is None  # resumed there
+    before = snapshot(run)
+    code = ("import sys; from longsft.train.cli import main; rc = main(['train', 'recipe=tiny', 'run_dir=' + "
+            "sys.argv[1]]); assert 'torch' not in sys.modules; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.count("done, skipping") == len(cfg.stages), r.stderr
+    assert snapshot(run) == before
+    state["stages"][cfg.stages[-1].name]["status"] = "running"
+    (run / "state.json").write_text(json.dumps(state))
+    assert finished(cfg) is None
+    (run / "state.json").write_text("{")
+    assert finished(cfg) is None
 
 
 def test_report_of_a_run_keeps_the_runs_own_report(tmp_path, capsys):

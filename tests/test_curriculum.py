@@ -93,9 +93,10 @@ def test_rerun_resumes_instead_of_retraining(finished_run):
     run_dir, _ = finished_run
     before = _state(run_dir)
     ckpt = run_dir / "stages" / "b" / "best" / "model.safetensors"
-    mtime = ckpt.stat().st_mtime
+    mtime, state_file = ckpt.stat().st_mtime, (run_dir / "state.json").read_bytes()
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *HANDOFF])
     assert r.stdout.count("done, skipping") == 3
+    assert (run_dir / "state.json").read_bytes() == state_file  # said done at once: nothing written
     after = _state(run_dir)
     for name in ("a", "b", "c"):
         assert after["stages"][name]["best"] == before["stages"][name]["best"]

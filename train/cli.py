@@ -68,7 +68,8 @@ def _prepare(argv: list[str]) -> int:
         check_output_file(args.json)
     from longsft.train.data.token_cache import prepare
     from longsft.train.model.build import build_tokenizer
-    from longsft.train.training.curriculum import check_run_dir, prepare_data
+    from longsft.train.training.curriculum import prepare_data
+    from longsft.train.training.rundir import check_run_dir
 
     tokenizer = build_tokenizer(cfg.model)
     if cfg.data.source == "sample":  # the sample set lives in the run directory
@@ -293,7 +294,8 @@ def _plan(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    from longsft.train.training.report import read_state, status_table
+    from longsft.train.training.report import status_table
+    from longsft.train.training.rundir import read_state
 
     ap = argparse.ArgumentParser(prog="longsft status", formatter_class=DefaultsHelp,
                                  description="stage table of a run; exit 0 when every stage is done, else 1")
@@ -443,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if cmd == "train":
             cfg = parse_run_args(rest)
+            from longsft.train.training.rundir import say_finished
+
+            if say_finished(cfg):  # nothing to train: said before torch is imported
+                return 0
             # DeepSpeed still calls torch collectives that torch deprecated; nothing a user can act on.
             warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
             from longsft.train.training.curriculum import run

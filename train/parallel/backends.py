@@ -21,12 +21,13 @@ def check_heads(backend: str, sp_size: int, num_heads: int, num_kv_heads: int) -
 
 def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
     """Fail at start-up, with the fix, for a backend that cannot run here."""
-    import torch  # here: config validation must not pay for torch on commands that never need it
+    if packing and sp_size > 1 and backend == "torch":
+        import torch  # here only: config validation must not pay for torch where it does not ask it anything
 
-    if packing and sp_size > 1 and backend == "torch" and torch.cuda.is_available():
-        raise ConfigError("data.packing with the torch ring on GPUs needs per-block document masks, which "
-                          "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or ring_flash_attn, or "
-                          "data.packing=false")
+        if torch.cuda.is_available():
+            raise ConfigError("data.packing with the torch ring on GPUs needs per-block document masks, which "
+                              "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or ring_flash_attn, "
+                              "or data.packing=false")
     if sp_size == 1 or backend == "torch":
         return
     if backend == "ring_flash_attn":

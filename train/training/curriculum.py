@@ -21,28 +21,10 @@ from longsft.train.model.build import build_hf_config, build_tokenizer, check_at
 from longsft.train.parallel import comm, distributed
 from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
-from longsft.train.training.report import read_state, write_report
+from longsft.train.training.report import write_report
+from longsft.train.training.rundir import check_run_dir, read_state
 from longsft.train.training.tracker import Tracker
 from longsft.train.training.trainer import StageTrainer
-
-RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
-# what longsft puts there before the run starts: lock, stop request, submit folder, and the sample set
-# that `longsft data prepare` writes for data.source=sample
-PRE_RUN = {".lock", "STOP", "submit", "data"}
-
-
-def check_run_dir(cfg: RunConfig) -> None:
-    """``run_dir`` is new, empty or a longsft run directory: never write into someone else's folder."""
-    path = cfg.run_path
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"run_dir={path} is a file, not a folder")
-    if not path.is_dir() or any((path / m).exists() for m in RUN_MARKERS):
-        return
-    present = sorted(p.name for p in path.iterdir() if p.name not in PRE_RUN)
-    if present:
-        shown = ", ".join(present[:5]) + (", ..." if len(present) > 5 else "")
-        raise ConfigError(f"run_dir={path} exists and is not a longsft run directory (it holds {shown}); "
-                          "give a new or empty folder")
 
 
 def load_state(cfg: RunConfig) -> dict:

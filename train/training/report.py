@@ -6,8 +6,9 @@ from pathlib import Path
 
 from longsft.eval.scoring.metrics import score_items
 from longsft.eval.scoring.score import load_predictions
-from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import atomic_write_json, atomic_write_text, read_json
+from longsft.train.common.errors import ConfigError
+from longsft.train.common.io import atomic_write_json, atomic_write_text
+from longsft.train.training.rundir import read_state
 from longsft.train.training.tracker import read_metrics
 
 
@@ -92,19 +93,6 @@ def _plots(run_dir: Path, records: list[dict], stages: list[str]) -> list[Path]:
 
 
 # ---------------------------------------------------------------- run status and aggregation
-
-
-def read_state(run_dir: str | Path) -> dict:
-    """``run_dir/state.json``, checked enough to be used: a cut-off or foreign file is a DataError."""
-    path = Path(run_dir) / "state.json"
-    if not path.exists():
-        raise ConfigError(f"{run_dir}: not a run directory (no state.json)")
-    state = read_json(path, "state file")
-    stages = state.get("stages") if isinstance(state, dict) else None
-    if not isinstance(stages, dict) or not all(isinstance(v, dict) and "status" in v for v in stages.values()):
-        raise DataError(f"{path}: not a longsft state file (no 'stages' mapping of stage entries)")
-    state.setdefault("recipe", "?")
-    return state
 
 
 def status_table(state: dict) -> str:
