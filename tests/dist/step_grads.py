@@ -15,8 +15,9 @@ DeepSpeed engine) runs its own ``train_step(0)``; the gradients are read before 
 on DATA's first ``validation.max_samples`` samples and saves its metrics and rows: however the
 ranks split the items, the result must be the one-process result.
 ``ref`` shares only the encoded samples and the choice of the step's samples with it: a plain
-``AutoModelForCausalLM``, full logits, ``F.cross_entropy`` per sample over its answer tokens, summed
-and divided by the answer tokens it counts itself. No DeepSpeed, no longsft loss or batching code.
+``AutoModelForCausalLM`` (its decoder, then its LM head on the answer positions: bf16 matmuls over a
+152K vocabulary are slow on CPUs without bf16 units), ``F.cross_entropy`` per sample over its answer
+tokens, summed and divided by the answer tokens it counts itself. No DeepSpeed, no longsft loss or batching code.
 """
 
 import sys
@@ -33,13 +34,16 @@ def reference(cfg, model_dir: str, rows, global_idx) -> dict:
 
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+    assert getattr(model.config, "final_logit_softcapping", None) is None  # the head below is a plain matmul
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
     total, count = torch.zeros(()), 0
     for i in global_idx:
         for e in rows[i]:  # one sample per forward: nothing packed, nothing padded
-            logits = model(input_ids=torch.tensor([e.input_ids]), use_cache=False).logits[0].float()  # [s, vocab]
+            hidden = decoder(input_ids=torch.tensor([e.input_ids]), use_cache=False).last_hidden_state[0]  # [s, H]
             target = torch.tensor(e.labels[1:])  # token t+1's label is position t's target
             keep = target != -100
-            total = total + F.cross_entropy(logits[:-1][keep], target[keep], reduction="sum")
+            logits = head(hidden[:-1][keep]).float()  # [answer tokens, vocab]: the rows the loss reads
+            total = total + F.cross_entropy(logits, target[keep], reduction="sum")
             count += int(keep.sum())
     loss = total / count
     loss.backward()
