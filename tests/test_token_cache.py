@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 import pytest
-from conftest import ROOT, run_cli, torchrun
+from conftest import ROOT, free_port, run_cli, torchrun
 
 from longsft.train.common.errors import DataError
 from longsft.train.data import encoding, token_cache
@@ -267,25 +267,30 @@ def test_data_prepare_builds_every_stage_once(tmp_path, capsys):
     assert len(_entries(tmp_path / "cache")) == 3
 
 
-@pytest.mark.parametrize("fault", ["bad-row", "cache-dir-is-a-file"])
-def test_rank_0s_failure_stops_both_ranks_before_the_run_directory_is_made(tmp_path, fault):
-    """Rank 0 checks and builds while rank 1 waits; both stop at once with rank 0's error (no hang)."""
+def _files_run(tmp_path, bad_row: bool) -> list[str]:
+    """A one-stage run's settings on files in ``tmp_path/d`` (row 3 of train.jsonl in French if ``bad_row``)."""
     data = tmp_path / "d" / "512"
     data.mkdir(parents=True)
     good = [json.dumps({"id": f"a{i}", "language": "en", "article": "A tale.", "summary": "A.", "gold_score": 4})
             for i in range(4)]
     bad = good[0].replace('"a0", "language": "en"', '"b", "language": "fr"')
-    (data / "train.jsonl").write_text("\n".join(good[:2] + [bad if fault == "bad-row" else good[3]] + good[:2]
+    (data / "train.jsonl").write_text("\n".join(good[:2] + [bad if bad_row else good[3]] + good[:2]
                                                 ).replace('"a3"', '"a9"') + "\n")
     (data / "validation.jsonl").write_text("\n".join(good) + "\n")
-    cache = tmp_path / "c"
+    return ["recipe=tiny", f"run_dir={tmp_path / 'run'}", "data.source=files",
+            f"data.train_file={tmp_path}/d/{{bucket}}/train.jsonl",
+            f"data.validation_file={tmp_path}/d/{{bucket}}/validation.jsonl", f"data.cache_dir={tmp_path / 'c'}",
+            "logging.progress=false", "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"]
+
+
+@pytest.mark.parametrize("fault", ["bad-row", "cache-dir-is-a-file"])
+def test_rank_0s_failure_stops_both_ranks_before_the_run_directory_is_made(tmp_path, fault):
+    """Rank 0 checks and builds while rank 1 waits; both stop at once with rank 0's error (no hang)."""
+    data, cache = tmp_path / "d" / "512", tmp_path / "c"
+    args = _files_run(tmp_path, bad_row=fault == "bad-row")
     if fault == "cache-dir-is-a-file":
         cache.write_text("not a folder")
-    r = torchrun([str(ROOT / "launch" / "curriculum.py"), "recipe=tiny", f"run_dir={tmp_path / 'run'}",
-                  "data.source=files", f"data.train_file={tmp_path}/d/{{bucket}}/train.jsonl",
-                  f"data.validation_file={tmp_path}/d/{{bucket}}/validation.jsonl", f"data.cache_dir={cache}",
-                  "logging.progress=false", "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 2}]"],
-                 nproc=2, check=False, timeout=300)
+    r = torchrun([str(ROOT / "launch" / "curriculum.py"), *args], nproc=2, check=False, timeout=300)
     message = (f"{data / 'train.jsonl'}:3: unknown language 'fr'" if fault == "bad-row" else
                f"token cache folder {cache}: cannot make it (File exists); set data.cache_dir")
     assert r.stderr.count(message) == 1, r.stderr[-3000:]  # said once
@@ -295,6 +300,21 @@ def test_rank_0s_failure_stops_both_ranks_before_the_run_directory_is_made(tmp_p
     assert not (tmp_path / "run").exists()
     if fault == "bad-row":
         assert _entries(cache) == []
+
+
+def test_a_failed_run_destroys_its_process_groups(tmp_path, capsys, monkeypatch):
+    """An error after the process group is made tears it down before the command returns: groups left
+    to the interpreter's exit can abort the process there (gloo's threads: SIGABRT, "terminate called
+    without an active exception", seen in CI on the 2-rank bad-row run above)."""
+    import torch.distributed as dist
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu",
+                       "LOCAL_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)  # a world of one in this process, restored after the test
+    code, _, err = run_cli(capsys, "train", *_files_run(tmp_path, bad_row=True), "parallel.sp_size=1")
+    assert code == 2 and "train.jsonl:3: unknown language 'fr'" in err, err
+    assert not dist.is_initialized()
 
 
 def test_the_planner_counts_the_samples_a_rank_holds(sample_dir):

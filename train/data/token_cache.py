@@ -427,11 +427,11 @@ def _waiting_group():
     is NCCL's watchdog). Created by every rank at its first call; None without a process group."""
     if not comm.active():
         return None
-    if not _WAIT_GROUP:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        _WAIT_GROUP.append(dist.new_group(backend="gloo", timeout=timedelta(hours=24)))
-    return _WAIT_GROUP[0]
+    if not _WAIT_GROUP or _WAIT_GROUP[0][0] is not dist.group.WORLD:  # (a new default group: a new one)
+        _WAIT_GROUP[:] = [(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(hours=24)))]
+    return _WAIT_GROUP[0][1]
 
 
 # Host memory of the data a rank holds (bench/data_cache.py measures both): per sample, the index

@@ -194,6 +194,16 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
     netif.setup_gloo_interface(say=say if local_rank == 0 else None)
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        return _groups(dims, rank, local_rank, device, backend, timeout_s, sp_backend)
+    except BaseException:
+        shutdown(failed=True)
+        raise
+
+
+def _groups(dims: ParallelDims, rank: int, local_rank: int, device: torch.device, backend: str, timeout_s: int,
+            sp_backend: str) -> Dist:
+    """The nodes checked, DeepSpeed's wrapper and the dp/sp groups, on an initialised default group."""
     hosts = _node_names(comm.all_gather_objects((socket.gethostname(), os.environ.get("GROUP_RANK", "0"))))
     placement = dims.check_nodes(hosts)  # the same verdict on every rank: all raise or none
     if rank == 0 and len(set(hosts)) > 1:
@@ -230,8 +240,19 @@ def _span(ranks: list[int]) -> str:
         else ",".join(map(str, ranks))
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
+def shutdown(failed: bool = False) -> None:
+    """Destroy every process group while the interpreter is still whole: groups left to its exit can
+    abort the process there (gloo: SIGABRT, "terminate called without an active exception", after the
+    error was already said). After a failure (``failed``) NCCL's communicators are aborted, not
+    destroyed: a peer may never reach the collective a graceful destroy would wait for. Gloo has no
+    such wait to skip: its groups finish queued work either way (when the peers exit, at worst)."""
+    if not dist.is_initialized():
+        return
+    if failed and dist.get_backend() == "nccl":
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        _abort_process_group()
+    else:
         dist.destroy_process_group()
 
 

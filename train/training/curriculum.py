@@ -187,6 +187,17 @@ def run(cfg: RunConfig) -> dict:
     check_run_dir(cfg)
     check_model(cfg)
     d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
+    try:
+        state = _run(cfg, d)
+    except BaseException:
+        distributed.shutdown(failed=True)
+        raise
+    distributed.shutdown()
+    return state
+
+
+def _run(cfg: RunConfig, d: distributed.Dist) -> dict:
+    """The curriculum on initialised process groups: data checked, run directory locked, stages run."""
     if d.is_main and (hint := distributed.huge_pages_hint()):
         say(hint)
     from transformers.utils import logging as hf_logging
@@ -253,5 +264,4 @@ def run(cfg: RunConfig) -> dict:
     d.barrier()
     if lock is not None:
         lock.close()
-    distributed.shutdown()
     return state
