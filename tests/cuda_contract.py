@@ -13,7 +13,14 @@ attention op and applies the checks the CUDA code makes, read from PyTorch's sou
 - ``mem_eff_attention/kernel_forward.h`` / ``kernel_backward.h`` and ``attention_backward.cu``
   ``_efficient_attention_backward``: fp32/fp16/bf16, equal query and K/V heads (torch 2.13), a
   log-sum-exp of at least ``sq`` rows per head whose head stride is a multiple of 8 (the forward pads
-  it to a multiple of 32).
+  it to a multiple of 32);
+- ``aten/src/ATen/native/cudnn/MHA.cpp`` ``run_cudnn_SDP_fprop`` / ``_bprop`` and ``sdp_utils.cpp``
+  ``check_cudnn_*`` (torch 2.11 and 2.13 alike): fp16/bf16 only (the graph assumes half unless bf16:
+  fp32 is silently wrong), last stride 1, head dim a multiple of 8 and <= 256, query heads a multiple
+  of K/V heads; the backward's log-sum-exp fp32 ``[b, h, sq, 1]`` as the forward returns it,
+  ``cum_seq_q/k`` undefined (``defined()`` selects the nested path), ``max_q/max_k`` the real lengths
+  (the graph cache key), and out, grad_out and the log-sum-exp contiguous: the backward graph is cached
+  by q/k/v shapes and strides alone, so the other tensors must keep one layout on every call.
 """
 
 import torch
@@ -43,6 +50,12 @@ def _qkv(op: str, q, k, v, dtypes, gqa: bool) -> None:
         _require(q.shape[1] % k.shape[1] == 0, op, "query heads must be a multiple of K/V heads")
     else:
         _require(q.shape[1] == k.shape[1], op, "query and K/V head counts must be equal")
+
+
+def _cudnn_qkv(op: str, q, k, v) -> None:
+    _qkv(op, q, k, v, FLASH_DTYPES, gqa=True)
+    _require(q.shape[-1] % 8 == 0, op, f"head dim {q.shape[-1]} must be a multiple of 8")
+    _require(k.shape[2] != 1 and q.shape[2] > 0, op, "cuDNN takes no key sequence of length 1 and no empty query")
 
 
 class CudaAttentionContract(TorchDispatchMode):
@@ -77,6 +90,29 @@ class CudaAttentionContract(TorchDispatchMode):
         _require(lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:3]) and lse.is_contiguous(), op,
                  f"logsumexp must be contiguous fp32 {tuple(q.shape[:3])}, got {lse.dtype} {tuple(lse.shape)}")
         _require(max_q == q.shape[2] and max_k == k.shape[2], op, "max_q/max_k must be the sequence lengths")
+
+    def _scaled_dot_product_cudnn_attention(self, op, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
+                                            is_causal=False, return_debug_mask=False, scale=None):
+        _cudnn_qkv(op, q, k, v)
+        _require(attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask, op,
+                 "the ring needs the log-sum-exp, no bias, no dropout, no debug mask")
+        _require(not is_causal or q.shape[2] == k.shape[2], op, "causal blocks must be square (cuDNN aligns top-left)")
+
+    def _scaled_dot_product_cudnn_attention_backward(self, op, dout, q, k, v, out, lse, philox_seed, philox_offset,
+                                                     attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                                     is_causal, scale=None):
+        _cudnn_qkv(op, q, k, v)
+        _require(cum_seq_q is None and cum_seq_k is None and attn_bias is None, op,
+                 "cum_seq_q/k and attn_bias must be undefined (None) for dense [b, h, s, d] inputs")
+        _require(max_q == q.shape[2] and max_k == k.shape[2], op, "max_q/max_k must be the sequence lengths")
+        _require(dout.shape == q.shape == out.shape and dout.dtype == out.dtype == q.dtype, op, "dout/out like q")
+        _require(lse.dtype == torch.float32 and tuple(lse.shape) == (*q.shape[:3], 1), op,
+                 f"logsumexp must be fp32 {(*q.shape[:3], 1)} as the forward returns it, got {tuple(lse.shape)}")
+        _require(dout.is_contiguous() and out.is_contiguous() and lse.is_contiguous(), op,
+                 "out, grad_out and logsumexp must be contiguous (one layout on every call: the backward graph is "
+                 "cached by q/k/v strides alone)")
+        _require(philox_seed.dtype == philox_offset.dtype == torch.int64 and philox_seed.dim() == 0, op,
+                 "philox seed/offset are 0-dim int64")
 
     def _scaled_dot_product_efficient_attention(self, op, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0,
                                                 is_causal=False, scale=None):

@@ -18,12 +18,18 @@ from cuda_contract import ContractViolation, CudaAttentionContract
 from longsft.train.parallel.attention import active, sp_mask
 from longsft.train.parallel.kernels import (
     CPU_KERNEL,
+    CUDNN_KERNEL,
     EFFICIENT_KERNEL,
     FLASH_KERNEL,
     LSE_ALIGN,
+    CudaFacts,
+    _cudnn_bwd,
+    _cudnn_fwd,
     _efficient_fwd,
     _flash_fwd,
     block_kernel,
+    choose,
+    merge_,
 )
 from longsft.train.parallel.layout import SP
 from longsft.train.parallel.ring import _plan, zigzag_ring_attention
@@ -31,23 +37,51 @@ from longsft.train.parallel.ring import _plan, zigzag_ring_attention
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
+H200 = CudaFacts((9, 0), 91900)  # torch 2.11+cu130's cuDNN on Hopper
+A100 = CudaFacts((8, 0), 91900)
+
+
 def test_kernel_choice():
-    assert block_kernel("cuda", torch.bfloat16) is FLASH_KERNEL
-    assert block_kernel("cuda", torch.float16) is FLASH_KERNEL
-    assert block_kernel("cuda", torch.float32) is EFFICIENT_KERNEL  # flash takes no fp32
+    """auto: cuDNN where torch's SDPA puts it first (sm9x/sm10x, cuDNN > 9.15) and the block fits it,
+    flash for other fp16/bf16, memory-efficient for fp32; a forced kernel that cannot run is an error."""
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    assert choose(bf16, 128, H200) is CUDNN_KERNEL and choose(fp16, 64, H200) is CUDNN_KERNEL
+    assert choose(bf16, 256, H200) is CUDNN_KERNEL  # sm90 with cuDNN >= 9.10 takes head dim 256
+    assert choose(bf16, 256, CudaFacts((10, 0), 91900)) is FLASH_KERNEL  # elsewhere <= 128
+    assert choose(bf16, 100, H200) is FLASH_KERNEL  # not a multiple of 8
+    assert choose(bf16, 128, CudaFacts((9, 0), 91400)) is FLASH_KERNEL  # an older cuDNN: SDPA prefers flash too
+    assert choose(bf16, 128, A100) is FLASH_KERNEL  # Ampere: flash first, as SDPA
+    assert choose(fp32, 128, H200) is EFFICIENT_KERNEL  # neither cuDNN nor flash takes fp32
+    assert choose(bf16, 512, A100) is EFFICIENT_KERNEL
+    assert choose(bf16, 128, A100, "cudnn") is CUDNN_KERNEL  # sm80 can run it when asked
+    assert choose(bf16, 128, H200, "flash") is FLASH_KERNEL and choose(bf16, 128, H200, "efficient") is EFFICIENT_KERNEL
+    for want, facts, dtype, why in (("cudnn", H200, fp32, "fp16/bf16"), ("cudnn", CudaFacts((7, 5), 91900), bf16,
+                                    "sm80-sm121"), ("flash", H200, fp32, "fp16/bf16"), ("fast", H200, bf16, "one of")):
+        with pytest.raises(ValueError, match=f"attention_kernel={want}.*{why}|{why}"):
+            choose(dtype, 128, facts, want)
     assert block_kernel("cpu", torch.float32) is CPU_KERNEL
+    with pytest.raises(ValueError, match="CUDA GPUs"):
+        block_kernel("cpu", torch.float32, "cudnn")
     with pytest.raises(ValueError, match="no kernel for meta"):
         block_kernel("meta", torch.float32)
+
+
+def _kernels(dtype):
+    return [CUDNN_KERNEL, FLASH_KERNEL] if dtype in (torch.bfloat16, torch.float16) else [EFFICIENT_KERNEL]
+
+
+KERNEL_CASES = [(dtype, kernel) for dtype in (torch.bfloat16, torch.float16, torch.float32) for kernel in _kernels(dtype)]
+KERNEL_IDS = [f"{str(d).split('.')[1]}-{k.name}" for d, k in KERNEL_CASES]
 
 
 def _meta(shape, dtype, grad=False):
     return torch.empty(shape, device="meta", dtype=dtype, requires_grad=grad)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_ring_on_one_rank_makes_valid_cuda_calls(dtype):
-    """The whole ring (forward and backward, one rank, no process group) with the CUDA kernel on meta tensors."""
-    kernel = block_kernel("cuda", dtype)
+@pytest.mark.parametrize("dtype,kernel", KERNEL_CASES, ids=KERNEL_IDS)
+def test_ring_on_one_rank_makes_valid_cuda_calls(dtype, kernel):
+    """The whole ring (forward and backward, one rank, no process group) with each CUDA kernel on meta
+    tensors: one kernel call each way."""
     q, k, v = _meta((1, 8, 74, 64), dtype, True), _meta((1, 2, 74, 64), dtype, True), _meta((1, 2, 74, 64), dtype, True)
     with CudaAttentionContract() as contract:
         out = zigzag_ring_attention(q, k, v, kernel=kernel)
@@ -57,11 +91,10 @@ def test_ring_on_one_rank_makes_valid_cuda_calls(dtype):
     assert len(contract.calls) == 2 and all(n == 1 for n in contract.calls.values()), contract.calls
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype,kernel", KERNEL_CASES, ids=KERNEL_IDS)
 @pytest.mark.parametrize("size", [2, 4])
-def test_every_ring_block_makes_valid_cuda_calls(dtype, size):
+def test_every_ring_block_makes_valid_cuda_calls(dtype, kernel, size):
     """Each rank's block at each ring step (the shapes ``_plan`` cuts), forward and backward."""
-    kernel = block_kernel("cuda", dtype)
     c, h, hk, d = 37, 8, 2, 128  # odd chunk length: the efficient kernel's lse padding matters
     groups = 1 if kernel.gqa else h // hk
     saved = dataclasses.replace(SP)
@@ -103,6 +136,37 @@ def test_the_contract_rejects_the_calls_that_crashed():
             o32, q32, q32, q32, None, o32, lse32[..., :37].contiguous(), s, off, 0.0, [True, True, True, False], True)
     with CudaAttentionContract(), pytest.raises(ContractViolation, match="head counts must be equal"):
         _efficient_fwd(q32, q32[:, :2], q32[:, :2], True, 0.125)
+    # cuDNN: fp32 is refused (its graph would read it as half); the backward wants the forward's [b, h, s, 1]
+    # log-sum-exp, contiguous out/grad_out, and undefined cum_seq tensors
+    with CudaAttentionContract(), pytest.raises(ContractViolation, match="not in"):
+        _cudnn_fwd(q.float(), q.float(), q.float(), True, 0.125)
+    aten = torch.ops.aten
+    seed = _meta((), torch.int64)
+    for bad_out, bad_lse, cum, why in ((out.transpose(2, 3).contiguous().transpose(2, 3), lse[..., None], None,
+                                        "contiguous"), (out, lse, None, "as the forward returns it"),
+                                       (out, lse[..., None], empty, "undefined")):
+        with CudaAttentionContract(), pytest.raises(ContractViolation, match=why):
+            aten._scaled_dot_product_cudnn_attention_backward(out, q, q, q, bad_out, bad_lse, seed, seed, None, cum,
+                                                              cum, 64, 64, 0.0, True, scale=0.125)
+    with CudaAttentionContract():  # what the kernel wrapper passes: accepted, whatever the caller's layout
+        _cudnn_bwd(out.transpose(1, 2).contiguous().transpose(1, 2), q, q, q, out, lse, True, 0.125)
+
+
+def test_merge_equals_logaddexp_reference():
+    """merge_'s in-place sigmoid form equals the log-sum-exp combination, also for block rows that see no
+    key (lse -inf: the row is left as it was), on views of the accumulators as the ring passes them."""
+    g = torch.Generator().manual_seed(0)
+    out, blk = torch.randn(2, 3, 10, 8, generator=g), torch.randn(2, 3, 6, 8, generator=g)
+    lse, blk_lse = torch.randn(2, 3, 10, generator=g) * 3, torch.randn(2, 3, 6, generator=g) * 3
+    blk_lse[0, 1, 2] = float("-inf")
+    new_lse = torch.logaddexp(lse[..., 4:], blk_lse)
+    want = out[..., 4:, :] * (lse[..., 4:] - new_lse).exp()[..., None] + blk * (blk_lse - new_lse).exp()[..., None]
+    got_out, got_lse = out.clone(), lse.clone()
+    merge_(got_out[:, :, 4:], got_lse[:, :, 4:], blk.bfloat16(), blk_lse)
+    torch.testing.assert_close(got_lse[..., 4:], new_lse)
+    torch.testing.assert_close(got_out[..., 4:, :], want, atol=1e-2, rtol=1e-2)  # the block in bf16, as kernels give it
+    torch.testing.assert_close(got_out[..., :4, :], out[..., :4, :])  # rows outside the view untouched
+    assert torch.equal(got_out[0, 1, 6], out[0, 1, 6]) and got_lse[0, 1, 6] == lse[0, 1, 6]
 
 
 @pytest.mark.parametrize("gqa", [True, False])

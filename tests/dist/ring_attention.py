@@ -50,6 +50,8 @@ def main(out_path: str) -> None:
     n = d.world_size
     results = []
     cases = [(torch.float32, 8 * n, 4, 4, None), (torch.float32, 24 * n, 4, 2, None), (torch.float32, 2 * n, 2, 1, None),
+             # 8 query heads over 2 K/V heads: on 4 ranks Ulysses repeats K/V to lcm(2, 4) = 4 heads, not 8
+             (torch.float32, 8 * n, 8, 2, None),
              (torch.bfloat16, 32 * n, 4, 2, None), (torch.bfloat16, 8 * n, 4, 4, None),
              # packed documents of uneven lengths, boundaries anywhere relative to the zigzag chunks
              (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3]),

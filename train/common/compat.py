@@ -11,6 +11,8 @@ otherwise raises :class:`UnsupportedVersion` naming the installed version and th
 - :func:`zero3_full_state_dict`: DeepSpeed's ``_zero3_consolidated_16bit_state_dict``;
 - :func:`routes_attention`: transformers' ``_supports_attention_backend`` class flag;
 - :func:`without_zero3_init`: transformers' ``HfDeepSpeedConfig`` reference, set aside;
+- :func:`set_deepspeed_world_group`: DeepSpeed's clone of the world group, made by longsft with its timeout;
+- :func:`release_deepspeed_groups`: DeepSpeed's references to destroyed groups, dropped;
 - :func:`import_bare`: a ring-flash-attn module imported without the package's ``__init__``.
 """
 
@@ -80,6 +82,12 @@ ATEN_OPS = {
     "_scaled_dot_product_flash_attention_backward": (
         ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
          "dropout_p", "is_causal", "philox_seed", "philox_offset"), ("scale",)),
+    "_scaled_dot_product_cudnn_attention": (
+        ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask"),
+        ("scale",)),
+    "_scaled_dot_product_cudnn_attention_backward": (
+        ("grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+         "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal"), ("scale",)),
     "_scaled_dot_product_efficient_attention": (
         ("query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal"), ("scale",)),
     "_scaled_dot_product_efficient_attention_backward": (
@@ -194,6 +202,32 @@ def skip_inference_comm_build() -> None:
     if "deepspeed_shm_comm" not in ops:
         raise unsupported("deepspeed", "deepspeed.ops.__compatible_ops__ has no deepspeed_shm_comm entry")
     ops["deepspeed_shm_comm"] = False
+
+
+def set_deepspeed_world_group(group) -> None:
+    """Make ``group`` (a whole-world group made with longsft's timeout) the world clone DeepSpeed would
+    otherwise make itself with torch's default timeout (``deepspeed.utils.groups._clone_world_group``,
+    the group ZeRO-3 reduces gradients over without an mpu): every rank calls it, once per default group."""
+    from deepspeed.utils import groups
+
+    if not hasattr(groups, "_WORLD_GROUP") or not hasattr(groups, "_clone_world_group"):
+        raise unsupported("deepspeed", "deepspeed.utils.groups._WORLD_GROUP / _clone_world_group are missing")
+    groups._WORLD_GROUP = group
+
+
+def release_deepspeed_groups() -> None:
+    """Drop DeepSpeed's references to process groups destroyed with torch's ``destroy_process_group``
+    (``deepspeed.comm.destroy_process_group`` does this itself: ``groups._release_process_group_references``)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return
+    from deepspeed.utils import groups
+
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is None:
+        raise unsupported("deepspeed", "deepspeed.utils.groups._release_process_group_references is missing")
+    release(group=None)
 
 
 # ----------------------------------------------------------------------------------- transformers

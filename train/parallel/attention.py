@@ -28,17 +28,23 @@ from longsft.train.parallel.ulysses import per_document_attention, ulysses
 ATTN_NAME = "longsft_sp"
 
 
-def setup(group, ranks: list[int], rank: int, backend: str = "torch") -> None:
-    """Remember this rank's SP group and register the attention function (idempotent)."""
+def setup(group, ranks: list[int], rank: int, backend: str = "torch", kernel: str = "auto") -> None:
+    """Remember this rank's SP group, backend and CUDA block kernel choice (``parallel.attention_kernel``),
+    and register the attention function (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     SP.group, SP.ranks, SP.size, SP.rank = group, tuple(ranks), len(ranks), ranks.index(rank)
-    SP.backend = backend
+    SP.backend, SP.kernel = backend, kernel
     if backend == "ring_flash_attn" and len(ranks) > 1:
         ring_flash_module()  # import now: a broken install fails here, not in the first forward
     AttentionInterface.register(ATTN_NAME, sp_attention_forward)
     AttentionMaskInterface.register(ATTN_NAME, sp_mask)
+
+
+def forget_groups() -> None:
+    """Let go of the SP group (its process groups are destroyed): one rank, no group, until :func:`setup`."""
+    SP.group, SP.ranks, SP.size, SP.rank = None, (), 1, 0
 
 
 @contextlib.contextmanager
@@ -50,11 +56,13 @@ def active(enabled: bool = True, doc_ids: torch.Tensor | None = None, keep_atten
     prev = SP.active, SP.doc_ids, SP.keep_attention
     SP.active = enabled and (SP.size > 1 or doc_ids is not None or keep_attention)
     SP.doc_ids, SP.keep_attention = doc_ids, keep_attention
+    SP.doc_spans = SP.gathered_docs = (None, None)  # made again from this batch's doc_ids, once
     SP.kept.clear()
     try:
         yield
     finally:
         SP.active, SP.doc_ids, SP.keep_attention = prev
+        SP.doc_spans = SP.gathered_docs = (None, None)
         SP.kept.clear()
 
 

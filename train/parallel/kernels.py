@@ -3,16 +3,21 @@
 Each :class:`BlockKernel` runs one block's forward and backward:
 
 - on CPU, ``aten::_scaled_dot_product_flash_attention_for_cpu``;
-- on CUDA with fp16/bf16, ``aten::_scaled_dot_product_flash_attention``, which takes grouped K/V
-  heads as they are;
-- on CUDA with fp32, the memory-efficient kernel, because flash does not take fp32.
+- on CUDA with fp16/bf16, cuDNN's ``aten::_scaled_dot_product_cudnn_attention`` where PyTorch's own
+  SDPA puts it first (Hopper and Blackwell with cuDNN > 9.15: 1.7-2.3x FlashAttention-2 there) and
+  the shape fits it, else ``aten::_scaled_dot_product_flash_attention`` (FA2 class); both take
+  grouped K/V heads as they are;
+- on CUDA with fp32, the memory-efficient kernel, because neither takes fp32.
 
-:func:`merge` combines partial outputs by their log-sum-exp in fp32. The private aten ops are
-called through :mod:`longsft.train.common.compat`, which checks their schemas.
+:func:`choose` makes that choice from the device's facts (a pure function, tested on CPU);
+``parallel.attention_kernel`` forces one. :func:`merge` combines partial outputs by their
+log-sum-exp in fp32. The private aten ops are called through :mod:`longsft.train.common.compat`,
+which checks their schemas.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,19 +91,93 @@ def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
     return dq, dk, dv
 
 
+def _cudnn_fwd(q, k, v, causal, scale):
+    # MHA.cpp run_cudnn_SDP_fprop: fp16/bf16 (the graph assumes half unless bf16: never fp32), grouped K/V
+    # heads as they are, causal aligned top-left (the ring's causal blocks are square); lse [b, h, sq, 1] fp32
+    r = aten_op("_scaled_dot_product_cudnn_attention")(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return r[0], r[1].squeeze(-1)
+
+
+def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
+    # cuDNN caches the backward graph by q/k/v shapes and strides only: out, dout and lse must have the same
+    # layout on every call (contiguous here). cum_seq_q/k undefined (None): not nested; max_q/max_k are the
+    # sequence lengths (graph key). The philox state (int64, as the forward makes it) is read only with dropout.
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    return aten_op("_scaled_dot_product_cudnn_attention_backward")(
+        dout.contiguous(), q, k, v, out.contiguous(), lse.unsqueeze(-1).contiguous(), seed, seed, None, None, None,
+        q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+
+
 CPU_KERNEL = BlockKernel("cpu_flash", _cpu_fwd, _cpu_bwd, gqa=True)
+CUDNN_KERNEL = BlockKernel("cuda_cudnn", _cudnn_fwd, _cudnn_bwd, gqa=True)
 FLASH_KERNEL = BlockKernel("cuda_flash", _flash_fwd, _flash_bwd, gqa=True)
 EFFICIENT_KERNEL = BlockKernel("cuda_efficient", _efficient_fwd, _efficient_bwd, gqa=False)
+KERNELS = {"cudnn": CUDNN_KERNEL, "flash": FLASH_KERNEL, "efficient": EFFICIENT_KERNEL}
+HALF = (torch.float16, torch.bfloat16)
 
 
-def block_kernel(device_type: str, dtype: torch.dtype) -> BlockKernel:
-    """The fused kernel the ring uses for tensors of ``dtype`` on ``device_type``.
+@dataclass(frozen=True)
+class CudaFacts:
+    """What the kernel choice depends on: ``capability`` (major, minor), ``cudnn`` version (e.g. 91900)."""
 
-    CUDA: flash for fp16/bf16 (its only dtypes), the memory-efficient kernel for fp32.
+    capability: tuple[int, int]
+    cudnn: int
+
+
+def cudnn_refuses(dtype: torch.dtype, head_dim: int, facts: CudaFacts) -> str | None:
+    """Why cuDNN's attention cannot run this block (None: it can). From PyTorch's sdp_utils.cpp
+    ``check_cudnn_*``: fp16/bf16, sm80-sm121, head dim a multiple of 8 and <= 128 (256 on sm90 from
+    cuDNN 9.10)."""
+    if dtype not in HALF:
+        return f"cuDNN attention takes fp16/bf16, not {dtype}"
+    if not (8, 0) <= facts.capability <= (12, 1):
+        return f"cuDNN attention needs sm80-sm121 (this GPU is sm{facts.capability[0]}{facts.capability[1]})"
+    widest = 256 if facts.capability[0] == 9 and facts.cudnn >= 91000 else 128
+    if head_dim % 8 or head_dim > widest:
+        return f"cuDNN attention needs a head dim that is a multiple of 8 and <= {widest} (it is {head_dim})"
+    return None
+
+
+def choose(dtype: torch.dtype, head_dim: int, facts: CudaFacts, want: str = "auto") -> BlockKernel:
+    """The CUDA block kernel for ``dtype`` and ``head_dim`` on a GPU with ``facts``; ``want``: auto,
+    cudnn, flash or efficient (``parallel.attention_kernel``; a forced kernel that cannot run is an error).
+
+    auto: cuDNN where PyTorch's SDPA itself puts it first (sm9x/sm10x with cuDNN > 9.15, as its
+    ``select_sdp_backend``) and it takes the block; else flash for fp16/bf16 (head dim <= 256); else
+    the memory-efficient kernel (fp32, wider heads).
     """
+    if want == "auto":
+        if facts.capability[0] in (9, 10) and facts.cudnn > 91500 and cudnn_refuses(dtype, head_dim, facts) is None:
+            return CUDNN_KERNEL
+        return FLASH_KERNEL if dtype in HALF and head_dim <= 256 else EFFICIENT_KERNEL
+    if want not in KERNELS:
+        raise ValueError(f"parallel.attention_kernel={want!r}: one of auto, {', '.join(KERNELS)}")
+    why = {"cudnn": cudnn_refuses(dtype, head_dim, facts),
+           "flash": None if dtype in HALF and head_dim <= 256 else
+           f"flash attention takes fp16/bf16 and head dims <= 256 ({dtype}, {head_dim})",
+           "efficient": None}[want]
+    if why:
+        raise ValueError(f"parallel.attention_kernel={want}: {why}; use auto")
+    return KERNELS[want]
+
+
+@functools.cache
+def cuda_facts(index: int) -> CudaFacts:
+    """The facts :func:`choose` needs about CUDA device ``index``."""
+    return CudaFacts(tuple(torch.cuda.get_device_capability(index)), torch.backends.cudnn.version() or 0)
+
+
+def block_kernel(device_type: str, dtype: torch.dtype, want: str = "auto", head_dim: int = 128,
+                 device_index: int | None = None) -> BlockKernel:
+    """The fused kernel the ring and Ulysses use for ``head_dim`` tensors of ``dtype`` on ``device_type``
+    (CUDA: :func:`choose` on the current device's facts; ``want`` forces a kernel there)."""
     if device_type == "cuda":
-        return FLASH_KERNEL if dtype in (torch.float16, torch.bfloat16) else EFFICIENT_KERNEL
+        index = torch.cuda.current_device() if device_index is None else device_index
+        return choose(dtype, head_dim, cuda_facts(index), want)
     if device_type == "cpu":
+        if want != "auto":
+            raise ValueError(f"parallel.attention_kernel={want} chooses among the kernels of CUDA GPUs; this "
+                             "machine runs PyTorch's CPU kernel (use auto)")
         return CPU_KERNEL
     raise ValueError(f"ring attention has no kernel for {device_type} tensors")
 
@@ -133,9 +212,15 @@ def block_bwd(kernel: BlockKernel, dout, q, k, v, out, lse, causal: bool, scale:
     return kernel.bwd(dout, q, k, v, out, lse, causal, scale)
 
 
-def merge(out, lse, blk_out, blk_lse):
-    """Combine two partial softmax-attentions by their log-sum-exp (fp32). out [b,h,s,d], lse [b,h,s]."""
-    new = torch.logaddexp(lse, blk_lse)
-    a = torch.exp(lse - new).nan_to_num(0.0)  # nan only where both are -inf (no key seen yet)
-    b = torch.exp(blk_lse - new).nan_to_num(0.0)
-    return out * a.unsqueeze(-1) + blk_out.float() * b.unsqueeze(-1), new
+def merge_(out, lse, blk_out, blk_lse) -> None:
+    """Add a block's partial softmax-attention into ``out`` and ``lse`` in place (fp32), by their
+    log-sum-exp: out [b, h, s, d], lse [b, h, s], views of the row's accumulators.
+
+    ``out += sigmoid(blk_lse - lse) * (blk_out - out)`` and ``lse -= logsigmoid(lse - blk_lse)``: two
+    passes over ``out`` (torch's context parallelism merges in this form). ``lse`` must be finite (the
+    ring's first block, the causal diagonal, gives every row its own key); a block row that sees no key
+    (``blk_lse`` -inf) leaves the row as it was.
+    """
+    weight = torch.sigmoid(blk_lse - lse).unsqueeze(-1)
+    out.lerp_(blk_out.to(out.dtype), weight)
+    lse.sub_(torch.nn.functional.logsigmoid(lse - blk_lse))

@@ -17,6 +17,7 @@ import torch
 @dataclass
 class _State:
     backend: str = "torch"
+    kernel: str = "auto"  # parallel.attention_kernel: the CUDA block kernel (kernels.choose)
     group: object = None
     size: int = 1
     rank: int = 0
@@ -24,6 +25,8 @@ class _State:
     active: bool = False
     doc_ids: torch.Tensor | None = None  # [batch, s_local] when documents are packed
     varlen: tuple = (None, None)  # (doc_ids, per-row llama3 cu_seqlens plans) of the current batch
+    doc_spans: tuple = (None, None)  # (doc_ids, each row's document spans) of the current batch (row_spans)
+    gathered_docs: tuple = (None, None)  # (local doc_ids, the SP group's, in gathered order): Ulysses, per batch
     keep_attention: bool = False  # model.keep_attention with gradient checkpointing (attention.active)
     kept: dict = field(default_factory=dict)  # attention module -> what its forward computed, until recomputed
 
@@ -76,6 +79,14 @@ def layout(packed: bool) -> str:
     """How :func:`shard_batch` splits sequences for the active backend: ``zigzag`` or ``contiguous``
     (ring-flash-attn's llama3 varlen ring for packed documents wants each rank's slice in order)."""
     return "contiguous" if packed and SP.backend == "ring_flash_attn" and SP.size > 1 else "zigzag"
+
+
+def row_spans(doc_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """:func:`spans` of each row of ``doc_ids`` [b, s], computed once per batch (every layer asks; each
+    computation syncs with the host) and kept on :data:`SP` until the next batch's ``doc_ids``."""
+    if SP.doc_spans[0] is not doc_ids:
+        SP.doc_spans = (doc_ids, [spans(row) for row in doc_ids])
+    return SP.doc_spans[1]
 
 
 def spans(doc_row: torch.Tensor) -> list[tuple[int, int]]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from longsft.train.parallel import comm
-from longsft.train.parallel.kernels import BlockKernel, block_bwd, block_fwd, block_kernel, merge
+from longsft.train.parallel.kernels import BlockKernel, block_bwd, block_fwd, block_kernel, merge_
 from longsft.train.parallel.layout import SP
 
 
@@ -79,15 +79,20 @@ class _ZigzagRing(torch.autograd.Function):
             lse = lse.float()
         else:
             c, (b, h, n, d) = q.shape[2] // 2, q.shape
+            late = q[:, :, c:].contiguous()  # the late chunk's queries, once, for the blocks only they see
             # [b, h, s, d] over [b, s, h, d] memory: the layer's transpose to [b, s, h * d] for its output
             # projection is then free, and that projection keeps the very tensor the backward keeps
-            out = torch.zeros(b, n, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
-            lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+            out = torch.empty(b, n, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
             for step, blk in _blocks(_kv(k, v, docs)):
                 kc, vc, dc = (*blk, None)[:3]
                 qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
-                blk_out, blk_lse = block_fwd(kernel, q[:, :, qs].contiguous(), kk, vv, causal, scale, blk_docs)
-                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
+                blk_out, blk_lse = block_fwd(kernel, q if qs.start is None else late, kk, vv, causal, scale, blk_docs)
+                if step == 0:  # the causal diagonal: every row's first block (each row sees its own key)
+                    out.copy_(blk_out)
+                    lse.copy_(blk_lse)
+                else:
+                    merge_(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
         ctx.scale, ctx.kernel, ctx.groups = scale, kernel, groups
@@ -98,6 +103,15 @@ class _ZigzagRing(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, docs = ctx.saved_tensors
         scale, kernel, groups, c = ctx.scale, ctx.kernel, ctx.groups, q.shape[2] // 2
+        # the kernels' inputs in one layout on every call (cuDNN caches its backward graph by q/k/v
+        # strides alone), each made once: the whole rows, and the late chunk's rows
+        whole = (dout.contiguous(), q, out.contiguous(), lse.contiguous())
+        if SP.size == 1:  # one rank: one kernel call, its gradients as they come
+            _, _, causal, kk, vv, blk_docs = _plan(0, 0, groups, k, v, docs, docs)
+            dq, dk, dv = block_bwd(kernel, *whole[:2], kk, vv, *whole[2:], causal, scale, blk_docs)
+            dk, dv = _fold(dk, groups), _fold(dv, groups)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        late = tuple(t[:, :, c:].contiguous() for t in whole)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
@@ -105,20 +119,22 @@ class _ZigzagRing(torch.autograd.Function):
         for step, blk in _blocks(_kv(k, v, docs)):
             kc, vc, dc = (*blk, None)[:3]
             qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
-            dq_b, dk_b, dv_b = block_bwd(kernel, dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kk, vv,
-                                          out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), causal, scale,
-                                          blk_docs)
-            dq[:, :, qs] += dq_b.float()
-            if groups > 1:  # fold the repeated heads back onto their KV head
-                dk_b = dk_b.unflatten(1, (-1, groups)).sum(2)
-                dv_b = dv_b.unflatten(1, (-1, groups)).sum(2)
+            dout_b, q_b, out_b, lse_b = whole if qs.start is None else late
+            dq_b, dk_b, dv_b = block_bwd(kernel, dout_b, q_b, kk, vv, out_b, lse_b, causal, scale, blk_docs)
+            dq[:, :, qs].add_(dq_b)  # in place on the view (an indexed += would copy it back onto itself)
+            dk_b, dv_b = _fold(dk_b, groups), _fold(dv_b, groups)
             if travelling is not None:
                 dkv = travelling.wait()
-            dkv[0][:, :, ks] += dk_b.float()
-            dkv[1][:, :, ks] += dv_b.float()
-            travelling = _start_pass(dkv) if SP.size > 1 else None  # after the last pass they are home
-        dk, dv = travelling.wait() if travelling is not None else dkv
+            dkv[0][:, :, ks].add_(dk_b)
+            dkv[1][:, :, ks].add_(dv_b)
+            travelling = _start_pass(dkv)  # after the last pass they are home
+        dk, dv = travelling.wait()
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of K/V heads repeated ``groups`` times, summed back onto each K/V head (fp32). [b, hk, s, d]"""
+    return grad if groups == 1 else grad.unflatten(1, (-1, groups)).sum(2, dtype=torch.float32)
 
 
 def zigzag_ring(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None,
@@ -132,7 +148,7 @@ def zigzag_ring(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | Non
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    kernel = kernel or block_kernel(q.device.type, q.dtype)
+    kernel = kernel or block_kernel(q.device.type, q.dtype, SP.kernel, q.shape[-1])
     docs = None if doc_ids is None else doc_ids.contiguous()
     out, lse = _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs, kernel, kept)
     return out, (out.detach(), lse.detach())

@@ -14,23 +14,27 @@ This one shares the data path, the loss normalisation and the checks of the ring
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 from longsft.train.parallel import comm
 from longsft.train.parallel.kernels import block_kernel
-from longsft.train.parallel.layout import SP, spans, zigzag_index
+from longsft.train.parallel.layout import SP, row_spans, zigzag_index
 
 
 def per_document_attention(q, k, v, scale: float | None, doc_ids: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA inside each document of whole (unsplit) sequences. q [b, h, s, d], doc_ids [b, s]."""
+    """Causal SDPA inside each document of whole (unsplit) sequences. q [b, h, s, d], doc_ids [b, s]
+    (the same tensor for every layer of a batch: its spans are found once, :func:`row_spans`)."""
     import torch.nn.functional as F
 
     gqa = k.shape[1] != q.shape[1]
     rows = []
-    for b in range(q.shape[0]):
+    for b, row in enumerate(row_spans(doc_ids)):
         parts = [F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e], v[b:b + 1, :, s:e],
                                                 is_causal=True, scale=scale, enable_gqa=gqa)
-                 for s, e in spans(doc_ids[b])]
+                 for s, e in row]
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows, dim=0)
 
@@ -70,9 +74,22 @@ def _heads_to_seq(x):
 
 
 def _permutations(S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, to_pos): gathered slot -> position (rank order of zigzag chunks), and its inverse."""
-    order = torch.cat([zigzag_index(S, SP.size, r) for r in range(SP.size)]).to(device)
+    """(order, to_pos): gathered slot -> position (rank order of zigzag chunks), and its inverse. [S] each"""
+    return _permutations_of(S, SP.size, torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)  # every layer of every micro-step asks for the same few lengths
+def _permutations_of(S: int, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.cat([zigzag_index(S, size, r) for r in range(size)]).to(device)
     return order, torch.argsort(order)
+
+
+def _gathered_docs(doc_ids: torch.Tensor, to_pos: torch.Tensor) -> torch.Tensor:
+    """The SP group's document ids of the whole sequences, in position order [b, S]: gathered once per
+    batch (every layer asks) and kept on :data:`SP` until the next batch's ``doc_ids``."""
+    if SP.gathered_docs[0] is not doc_ids:
+        SP.gathered_docs = (doc_ids, torch.cat(comm.all_gather(doc_ids, SP.group), dim=1)[:, to_pos])
+    return SP.gathered_docs[1]
 
 
 class _Ulysses(torch.autograd.Function):
@@ -126,17 +143,17 @@ def ulysses(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = 
     same q/k/v returned, when a checkpoint recomputes it (no kernel runs; packed documents: none kept).
     """
     n, h, hk = SP.size, q.shape[1], k.shape[1]
-    if hk % n:
-        k, v = k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1)
+    if hk % n:  # repeated to the fewest heads that divide over the group (n and hk divide h, so lcm does)
+        r = math.lcm(hk, n) // hk
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if doc_ids is None:
-        out, out_f, lse_f = _Ulysses.apply(q, k, v, scale, block_kernel(q.device.type, q.dtype), kept)
+        out, out_f, lse_f = _Ulysses.apply(q, k, v, scale, block_kernel(q.device.type, q.dtype, SP.kernel, q.shape[-1]), kept)
         return out, (out_f, lse_f)
     order, to_pos = _permutations(q.shape[2] * n, q.device)
     qf, kf, vf = (_AllToAll.apply(t.contiguous(), True)[:, :, to_pos] for t in (q, k, v))
-    gathered = torch.cat(comm.all_gather(doc_ids, SP.group), dim=1)
-    out = per_document_attention(qf, kf, vf, scale, gathered[:, to_pos])
+    out = per_document_attention(qf, kf, vf, scale, _gathered_docs(doc_ids, to_pos))
     return _AllToAll.apply(out[:, :, order].contiguous(), False), None
 
 
