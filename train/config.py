@@ -106,6 +106,13 @@ class ParallelConfig:
     sp_size: int = 1
     # torch: zigzag ring attention on PyTorch's fused kernels (CPU and GPU, no flash-attn needed)
     sp_backend: Literal["torch", "ring_flash_attn", "ulysses"] = "torch"
+    # CUDA kernel of the torch ring's blocks and of Ulysses: auto (cuDNN on Hopper/Blackwell, flash elsewhere,
+    # memory-efficient for fp32), or force cudnn, flash or efficient
+    attention_kernel: Literal["auto", "cudnn", "flash", "efficient"] = "auto"
+    # How long a rank waits in any collective (every process group, DeepSpeed's included) before the job fails
+    # (NCCL's watchdog). It outlasts the longest wait: rank 0 saving a 32B model's 16-bit weights (64 GB) at
+    # ~0.2 GB/s, or a validation round at 100K on 32B; lower it to fail a hung job sooner
+    timeout_minutes: int = 60
 
 
 @dataclass
@@ -117,6 +124,10 @@ class DeepSpeedConfig:
     offload_param: bool | None = None
     # Use torch's AdamW instead of DeepSpeedCPUAdam (skips the one-off ~60 s JIT build).
     torch_adam: bool = False
+    # ZeRO-3: gather each decoder layer's weights with one hook for the whole layer (DeepSpeed's leaf modules)
+    # instead of one per linear and norm: the per-module hooks were most of a step's fixed cost
+    # (bench/step_overhead.py); false: DeepSpeed's per-module hooks
+    layer_hooks: bool = True
 
 
 @dataclass
@@ -578,6 +589,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("optim.micro_batch_size and optim.grad_accum must be >= 1")
     if cfg.parallel.sp_size < 1:
         raise ConfigError("parallel.sp_size must be >= 1")
+    _bounds(cfg.parallel, "parallel.", timeout_minutes=(1, None))
     if cfg.model.loss_chunk_tokens < 0:
         raise ConfigError(f"model.loss_chunk_tokens={cfg.model.loss_chunk_tokens} must be >= 0 (0: no chunking)")
     if cfg.model.loss_kernel == "liger":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,12 @@ class SiluMul(torch.autograd.Function):
         return gate, up
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)), in fp32 and cast back, as transformers' RMSNorm. [..., d]"""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(torch.autograd.Function):
     """weight * (x / rms(x)), computed in fp32 and cast back as transformers' RMSNorm does, keeping
     x (which its caller keeps anyway) and the fp32 1/rms [..., 1]; the normalised x is recomputed in
@@ -63,9 +70,10 @@ class RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x.float() * rstd).to(x.dtype)
+        return weight * (xf * rstd).to(x.dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -117,7 +125,10 @@ def lean_layers(model) -> dict[str, int]:
         if mlp is not None and is_swiglu(mlp):
 
             def forward(x: torch.Tensor, mlp=mlp) -> torch.Tensor:  # [batch, seq, hidden]
-                return mlp.down_proj(SiluMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
+                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+                # no graph (generation, validation): the plain ops, without an autograd function's overhead
+                act = SiluMul.apply(gate, up) if torch.is_grad_enabled() else F.silu(gate).mul_(up)
+                return mlp.down_proj(act)
 
             mlp.forward = forward
             n["swiglu"] += 1
@@ -125,6 +136,8 @@ def lean_layers(model) -> dict[str, int]:
         if _is_rmsnorm_class(type(module)) and isinstance(getattr(module, "weight", None), torch.Tensor):
 
             def norm(x: torch.Tensor, module=module) -> torch.Tensor:  # [..., d]
+                if not torch.is_grad_enabled():  # no graph: the same maths without the autograd function
+                    return rms_norm(x, module.weight, module.variance_epsilon)
                 return RMSNorm.apply(x, module.weight, module.variance_epsilon)
 
             module.forward = norm
@@ -132,14 +145,29 @@ def lean_layers(model) -> dict[str, int]:
     return n
 
 
-def tile_mlps(model, tile: int, synced: bool = True) -> None:
+EXTENT = "longsft_extent"  # the model attribute holding its Extent (build_model sets it)
+
+
+@dataclass
+class Extent:
+    """The most tokens (per row, this micro-step's local sequence) and loss targets of any rank: how often
+    each rank's forward calls ZeRO-3's gathers (MLP tiles, loss chunks), decided with one all-reduce per
+    micro-step by ``token_loss_sum`` and read by the forward and by the checkpoints' recompute in the
+    backward. None: not decided (a forward outside ``token_loss_sum``): each call asks the ranks itself."""
+
+    tokens: int | None = None
+    targets: int | None = None
+
+
+def tile_mlps(model, tile: int, synced: bool = True, extent: Extent | None = None) -> None:
     """Run every decoder layer's MLP ``tile`` tokens at a time, each tile checkpointed.
 
     The MLP is position-wise, so tiles give the same result; in the backward only one tile's
     gate/up/activation tensors ([tile, intermediate]) exist at a time. Under ZeRO-3 each call
     gathers the MLP's weights, a collective: every rank makes the same number of calls (the most
-    tiles any rank needs; empty tiles where it has fewer). ``synced=False``: this rank's own count
-    (a model only this rank runs: the planner's meta-device trace).
+    tiles any rank needs; empty tiles where it has fewer), from ``extent.tokens`` when the micro-step
+    decided it, else asked of the ranks on each call. ``synced=False``: this rank's own count (a
+    model only this rank runs: the planner's meta-device trace).
     """
     from torch.utils.checkpoint import checkpoint
 
@@ -151,7 +179,9 @@ def tile_mlps(model, tile: int, synced: bool = True) -> None:
             if not torch.is_grad_enabled():
                 return whole(x)
             n = -(-x.shape[1] // tile)
-            n = comm.max_over_ranks(n) if synced else n
+            if synced:
+                n = -(-extent.tokens // tile) if extent is not None and extent.tokens is not None \
+                    else comm.max_over_ranks(n)
             return torch.cat([checkpoint(whole, x[:, i * tile:(i + 1) * tile], use_reentrant=False)
                               for i in range(max(1, n))], dim=1)
 

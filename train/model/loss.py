@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from longsft.train.data.encoding import IGNORE
+from longsft.train.model.layers import EXTENT
 from longsft.train.model.tied_head import Deferred, HeadCrossEntropy, defer_into_embedding
 from longsft.train.parallel import comm
 
@@ -64,15 +65,24 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
     """Sum of token cross-entropies (fp32) and the number of target tokens in ``batch``.
 
     batch: input_ids, position_ids, shift_labels (+ attention_mask unless sequence-sharded) — [batch, seq].
-    ``model``: an HF causal LM or a DeepSpeed engine wrapping one.
+    ``model``: an HF causal LM or a DeepSpeed engine wrapping one. A collective (one small all-reduce):
+    every rank calls it equally often.
     """
     targets = batch["shift_labels"]
     keep = targets != IGNORE  # [batch, seq]
+    where = keep.nonzero(as_tuple=True)  # the target positions (the step's one host sync for them)
+    n = where[0].numel()
+    base = getattr(model, "module", model)
+    # One all-reduce per micro-step for what every rank's ZeRO-3 gathers depend on: the most tokens (MLP
+    # tiles) and targets (loss chunks) of any rank, read by this forward and by the backward's recompute
+    most_tokens, most_targets = (int(v) for v in comm.all_reduce([keep.shape[1], n], "max", dtype=torch.int64))
+    extent = getattr(base, EXTENT, None)
+    if extent is not None:
+        extent.tokens, extent.targets = most_tokens, most_targets
     kw = dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
               position_ids=batch["position_ids"], use_cache=False)
     saved = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) if offload_activations \
         else nullcontext()
-    base = getattr(model, "module", model)
     fused = getattr(base, FUSED_LOSS, None)
     tied = fused if kernel == "torch" and getattr(fused, "kind", None) == "tied" else None  # attach_fused_loss
     with saved:
@@ -82,15 +92,15 @@ def token_loss_sum(model, batch: dict[str, torch.Tensor], chunk_tokens: int = 0,
             loss = F.cross_entropy(logits, targets[keep], reduction="sum")
         else:
             out = model(**kw, logits_to_keep=torch.zeros_like(keep), output_hidden_states=LAST_HIDDEN_STATE)
-            hidden = out.hidden_states[-1][keep]  # [n_targets, hidden]: the final (normed) hidden states
+            hidden = out.hidden_states[-1][where]  # [n_targets, hidden]: the final (normed) hidden states
             if kernel == "liger":
-                loss = fused_head_loss(base)(hidden, targets[keep])
+                loss = fused_head_loss(base)(hidden, targets[where])
             elif tied is not None:
-                loss = tied(hidden, targets[keep], chunk_tokens)
+                loss = tied(hidden, targets[where], chunk_tokens, most_targets)
             else:
-                loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[keep], chunk_tokens,
-                                             logit_softcap(base))
-    return loss, int(keep.sum())
+                loss = chunked_cross_entropy(base.get_output_embeddings(), hidden, targets[where], chunk_tokens,
+                                             logit_softcap(base), most_targets)
+    return loss, n
 
 
 def logit_softcap(model) -> float | None:
@@ -99,10 +109,11 @@ def logit_softcap(model) -> float | None:
 
 
 def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                          chunk: int, softcap: float | None = None) -> torch.Tensor:
+                          chunk: int, softcap: float | None = None, most: int | None = None) -> torch.Tensor:
     """sum CE(head(hidden), targets) computed ``chunk`` rows at a time; hidden [n, H], targets [n].
 
     ``softcap``: logits become ``softcap * tanh(logits / softcap)`` first, as the model's forward does.
+    ``most``: the most targets of any rank (None: asked of the ranks here).
     """
 
     def part(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +125,7 @@ def chunked_cross_entropy(head: torch.nn.Module, hidden: torch.Tensor, targets: 
     n = hidden.shape[0]
     # Every rank calls the head equally often (empty chunks where it has fewer targets): under ZeRO-3
     # each call all-gathers the partitioned weight, a collective that must match across the world.
-    most = comm.max_over_ranks(n)
+    most = comm.max_over_ranks(n) if most is None else most
     total = hidden.new_zeros((), dtype=torch.float32)
     for k in range(max(1, -(-most // chunk))):
         i = k * chunk
@@ -152,14 +163,15 @@ class FusedHeadLoss(torch.nn.Module):
         else:
             self.deferred = Deferred()
 
-    def forward(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor, chunk: int = 0, most: int | None = None) -> torch.Tensor:
+        """``most``: the most targets of any rank (``tied``; None: asked of the ranks)."""
         weight = self._head[0].weight
         if self.kind == "liger" and hasattr(weight, "ds_id") and id(weight) not in getattr(self, "_external_params", {}):
             raise RuntimeError("the fused loss's head weight is partitioned by ZeRO-3 but not registered with it "
                                "(register_fused_loss after deepspeed.initialize)")
         if self.kind == "tied":
             return HeadCrossEntropy.apply(hidden, weight, targets, chunk if chunk > 0 else max(1, hidden.shape[0]),
-                                          self.deferred)
+                                          self.deferred, most)
         if hidden.shape[0] == 0:  # Liger divides by zero for no rows: one ignored row (loss 0, zero gradients)
             hidden = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
             targets = torch.cat([targets, targets.new_full((1,), IGNORE)])

@@ -109,11 +109,15 @@ class HeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int, deferred: Deferred):
+    def forward(ctx, hidden, weight, targets, chunk: int, deferred: Deferred, most: int | None = None):
         deferred.parts.clear()  # a backward that never reached the embedding (an error) left these
         n = hidden.shape[0]
-        # one choice on every rank under ZeRO-3: it decides whether the backwards gather the weight (a collective)
-        keep = keeps_dlogits(comm.max_over_ranks(n) if hasattr(weight, "ds_id") else n, hidden.shape[1])
+        # one choice on every rank under ZeRO-3: it decides whether the backwards gather the weight (a
+        # collective); ``most``: the most rows of any rank, when the micro-step already asked
+        rows = n
+        if hasattr(weight, "ds_id"):
+            rows = comm.max_over_ranks(n) if most is None else most
+        keep = keeps_dlogits(rows, hidden.shape[1])
         deferred.recompute = not keep
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -149,7 +153,7 @@ class HeadCrossEntropy(torch.autograd.Function):
                     grad_h[i:i + ctx.chunk] = _dlogits(h, weight, t, s, g) @ weight
                     ctx.deferred.parts.append((h, t, s, g))
         ctx.grads, ctx.grad_h, ctx.weight = [], [], None
-        return grad_h, None, None, None, None
+        return grad_h, None, None, None, None, None
 
 
 class _Embedding(torch.autograd.Function):

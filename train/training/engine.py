@@ -16,6 +16,9 @@ from longsft.train.model.loss import hold_whole_weight, register_fused_loss
 from longsft.train.training.checkpoint import safe_loading
 
 DS_DIR = Path(__file__).resolve().parents[2] / "ds_configs"
+# DeepSpeed keys that change its process groups and so its batch size and gradient averaging
+# (deepspeed/__init__.py builds a mesh from them; runtime/config.py divides the batch by them)
+OWNED_BY_LONGSFT = ("sequence_parallel_size", "data_parallel_size")
 
 
 def ds_config_path(name: str) -> Path:
@@ -38,6 +41,11 @@ def build_ds_config(cfg: RunConfig, stage: StageConfig, world_size: int, hidden_
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    for key in OWNED_BY_LONGSFT:
+        if key in ds:
+            raise ConfigError(f"{path}: {key!r} is longsft's to set (parallel.sp_size; the data-parallel size is the "
+                              "world size / sp_size): DeepSpeed would then size its batch and average gradients over "
+                              "other ranks than longsft's loss normalisation does. Remove it from the JSON")
     o = cfg.optim
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     stage_n = zero.get("stage", 0)
@@ -129,12 +137,25 @@ def build_engine(cfg: RunConfig, model, ds_config: dict, total_steps: int, hold_
     sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
         opt, lr_lambda(o.scheduler, total_steps, o.warmup_steps, o.min_lr_ratio))
     _say_if_building_cpu_adam(ds_config)
+    if cfg.deepspeed.layer_hooks and (ds_config.get("zero_optimization") or {}).get("stage") == 3:
+        whole_layers(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=copy.deepcopy(ds_config), lr_scheduler=sched)
     register_fused_loss(engine.module)  # model.loss_kernel=liger: the head weight, now surely partitioned
     hold_whole_weight(engine.module, hold_tied_weight)
     safe_loading(engine)
     return engine
+
+
+def whole_layers(model) -> int:
+    """Make each decoder layer a ZeRO-3 leaf module (before ``deepspeed.initialize``): its weights are
+    gathered by one hook as the layer starts (forward, and backward with its recompute) and released as
+    it ends, instead of by a hook on each of its linears and norms. Returns the number of layers."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    layers = model.get_decoder().layers
+    set_z3_leaf_modules(model, list({type(layer) for layer in layers}))
+    return len(layers)
 
 
 def _say_if_building_cpu_adam(ds_config: dict) -> None:

@@ -61,19 +61,19 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
         raise RuntimeError(f"step {step + 1}: no answer token in its {sampler.global_batch} samples")
     assert len(micro) == engine.gradient_accumulation_steps(), (len(micro), engine.gradient_accumulation_steps())
     scale = backward_scale(n_global, engine.dp_world_size, len(micro))
-    loss_sum, tokens, targets = 0.0, 0, []
+    loss_sum, tokens, targets = None, 0, []
     for k, idx in enumerate(micro):
         batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing)
         with active(doc_ids=batch.pop("doc_ids", None), keep_attention=keeps_attention(model_cfg, d.dims.sp_size, packing)):
             loss, n = token_loss_sum(engine, batch, model_cfg.loss_chunk_tokens, model_cfg.offload_activations,
                                      model_cfg.loss_kernel)
             engine.backward(loss * scale)
-        loss_sum += float(loss.detach())
+        loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()  # read once, after the last
         tokens += n_tokens
         targets.append(n)
         if k == len(micro) - 1 and before_update is not None:
             before_update(engine, targets)
         engine.step()
     # sp ranks hold disjoint tokens of the same samples: their losses add up, their token counts must not
-    loss_total, tokens_total = comm.all_reduce([loss_sum, tokens if d.sp_rank == 0 else 0])
+    loss_total, tokens_total = comm.all_reduce([float(loss_sum), tokens if d.sp_rank == 0 else 0])
     return StepStats(loss_total / n_global, int(tokens_total), targets)
