@@ -45,7 +45,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from longsft.train.common.errors import ConfigError, DataError
+from longsft.train.common.errors import (ConfigError, DataError, is_same_on_every_rank, is_this_rank_only,
+                                         this_rank_only)
 from longsft.train.common.helpfmt import DefaultsHelp
 from longsft.train.common.io import check_output_file, say
 from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_epilog, wants_help
@@ -398,6 +399,21 @@ def _submit(argv: list[str]) -> int:
     return 0
 
 
+def _say_error(message: str, e: BaseException, started: bool) -> None:
+    """Say a failed command's error on stderr. Under torchrun rank 0 says it; so does each node's first
+    rank, naming itself (a file its node cannot read, a node with fewer GPUs), and any rank whose error
+    is its own alone (a failed save); not the errors every rank has alike (the command line's, rank 0's
+    shared with every rank): one line per node at most, for an error of many ranks."""
+    rank = int(os.environ.get("RANK", "0"))
+    node_first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if rank == 0:
+        print(f"longsft: {message}", file=sys.stderr, flush=True)
+    elif started and not is_same_on_every_rank(e) and (node_first or is_this_rank_only(e)):
+        import socket
+
+        print(f"longsft: rank {rank} ({socket.gethostname()}): {message}", file=sys.stderr, flush=True)
+
+
 def _os_message(e: BaseException) -> str | None:
     """One line for an input/output error a user can fix, or None (a bug: keep the traceback)."""
     if isinstance(e, UnicodeDecodeError):
@@ -442,9 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in KEY_VALUE_HELP and wants_help(rest):
         print(KEY_VALUE_HELP[cmd]())
         return 0
+    started = False  # past the command line: an error may now be one rank's own (a file, a node)
     try:
         if cmd == "train":
             cfg = parse_run_args(rest)
+            started = True
             from longsft.train.training.rundir import say_finished
 
             if say_finished(cfg):  # nothing to train: said before torch is imported
@@ -485,16 +503,14 @@ def main(argv: list[str] | None = None) -> int:
 
             return vote_main(rest)
     except (ConfigError, DataError) as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: say it once
-            print(f"longsft: {e}", file=sys.stderr)
+        _say_error(str(e), e, started)
         return 2
     except (OSError, UnicodeDecodeError, RecursionError) as e:
         # The net under the specific checks: a file the user named that cannot be read or written.
         message = _os_message(e)
         if message is None:
             raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"longsft: {message}", file=sys.stderr)
+        _say_error(message, e, started)
         return 2
     except RuntimeError as e:
         from longsft.train.training.preempt import EXIT_STOPPED, StopRequested
@@ -502,8 +518,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, (TrainingError, StopRequested)):
             raise
-        if os.environ.get("RANK", "0") == "0" or isinstance(e, SaveError):  # a save fails on one rank only
-            print(f"longsft: {e}", file=sys.stderr)
+        _say_error(str(e), this_rank_only(e) if isinstance(e, SaveError) else e, started)
         if isinstance(e, StopRequested):  # under torchrun, 0: a stop is no failure ("longsft status" tells)
             return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_STOPPED
         return 3

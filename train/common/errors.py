@@ -7,3 +7,25 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Bad input data; the message names the file and line."""
+
+
+def same_on_every_rank(e: BaseException) -> BaseException:
+    """Mark ``e`` as an error every rank of the job raises alike (rank 0's, shared with the others, or one
+    decided from what every rank knows): the CLI says it once, on rank 0. Returns ``e``."""
+    e.same_on_every_rank = True
+    return e
+
+
+def is_same_on_every_rank(e: BaseException) -> bool:
+    return getattr(e, "same_on_every_rank", False)
+
+
+def this_rank_only(e: BaseException) -> BaseException:
+    """Mark ``e`` as an error of this rank alone (a failed save, a GPU this rank lacks): the CLI says it on
+    this rank, whichever it is. Returns ``e``."""
+    e.this_rank_only = True
+    return e
+
+
+def is_this_rank_only(e: BaseException) -> bool:
+    return getattr(e, "this_rank_only", False)

@@ -29,7 +29,6 @@ import time
 import uuid
 import weakref
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -385,32 +384,16 @@ def ensure_all(cfg: RunConfig, tokenizer, stages: list[StageConfig] | None = Non
     same DataError, before any training. Returns split -> cache folder, on every rank."""
     splits = [s for st in (stages or cfg.stages) for s in stage_splits(cfg, st) if s is not None]
     root = cache_root(cfg)
-    group = _waiting_group()  # before rank 0 starts: creating a group is itself a collective
-    result: tuple = (None, None)
-    failure: BaseException | None = None
-    if not comm.active() or comm.rank() == 0:
-        try:
-            paths = {}
-            for s in dict.fromkeys(splits):
-                paths[s], what = ensure(s, tokenizer, root, build_workers(), progress=sys.stderr.isatty(), log=log)
-                if what.startswith("rebuilt") and log is not None:
-                    log(f"{s.source}: {what}")
-            result = (paths, None)
-        except (DataError, ConfigError) as e:
-            result = (None, (type(e).__name__, (str(e),)))
-        except OSError as e:  # disk full, permissions: the same error on every rank
-            failure, result = e, (None, ("OSError", (e.errno, e.strerror, e.filename)))
-        except BaseException as e:  # noqa: BLE001 (re-raised below): the waiting ranks must not wait for ever
-            why = f"rank 0 could not prepare the token cache: {type(e).__name__}: {e}"
-            failure, result = e, (None, ("RuntimeError", (why,)))
-    paths, error = comm.broadcast_object(result, group=group)
-    if failure is not None:
-        raise failure
-    if error is not None:
-        if comm.rank() != 0:  # rank 0 reports the error: let it, as torchrun stops every rank at the first exit
-            time.sleep(1.0)
-        kind, args = error
-        raise {"DataError": DataError, "ConfigError": ConfigError, "OSError": OSError}.get(kind, RuntimeError)(*args)
+    def prepare() -> dict:
+        paths = {}
+        for s in dict.fromkeys(splits):
+            paths[s], what = ensure(s, tokenizer, root, build_workers(), progress=sys.stderr.isatty(), log=log)
+            if what.startswith("rebuilt") and log is not None:
+                log(f"{s.source}: {what}")
+        return paths
+
+    with comm.waiting_group() as group:  # made before rank 0 starts (a collective); its timeout outlasts a build
+        paths = comm.decided_by_rank_zero(prepare, group=group)
     missing = [str(p) for p in paths.values() if not (p / "manifest.json").exists()]
     if any(comm.all_gather_objects(bool(missing))):
         raise ConfigError(f"the token cache {root} is not visible on every node ({missing[:1] or 'see rank 0'} is "
@@ -418,20 +401,6 @@ def ensure_all(cfg: RunConfig, tokenizer, stages: list[StageConfig] | None = Non
                           "`longsft data prepare` on each node first")
     return paths
 
-
-_WAIT_GROUP: list = []
-
-
-def _waiting_group():
-    """A gloo group whose timeout outlasts a long build (the default group's is 30 minutes; on GPUs it
-    is NCCL's watchdog). Created by every rank at its first call; None without a process group."""
-    if not comm.active():
-        return None
-    import torch.distributed as dist
-
-    if not _WAIT_GROUP or _WAIT_GROUP[0][0] is not dist.group.WORLD:  # (a new default group: a new one)
-        _WAIT_GROUP[:] = [(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(hours=24)))]
-    return _WAIT_GROUP[0][1]
 
 
 # Host memory of the data a rank holds (bench/data_cache.py measures both): per sample, the index

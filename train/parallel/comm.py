@@ -12,10 +12,18 @@ other module of longsft calls a ``torch.distributed`` collective. DeepSpeed's ow
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from longsft.train.common.errors import ConfigError, DataError, same_on_every_rank
+
+T = TypeVar("T")
 
 
 def active() -> bool:
@@ -121,8 +129,10 @@ def rank() -> int:
 
 
 def barrier() -> None:
+    """Every rank waits for every other (NCCL: on this rank's GPU, named, not guessed)."""
     if dist.is_initialized():
-        dist.barrier()
+        on_gpu = device_type_for(str(dist.get_backend())) == "cuda"
+        dist.barrier(device_ids=[torch.cuda.current_device()] if on_gpu else None)
 
 
 def all_gather_objects(obj: object) -> list:
@@ -143,3 +153,50 @@ def broadcast_object(obj: object, src: int = 0, group=None) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+@contextlib.contextmanager
+def waiting_group(hours: float = 24) -> Iterator[object]:
+    """A gloo group whose timeout outlasts a long wait of the other ranks on rank 0 (a token cache build;
+    the job's groups fail after ``parallel.timeout_minutes``), made by every rank (a collective) and
+    destroyed after the block, so no group outlives the job's. None without a process group."""
+    if not active():
+        yield None
+        return
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=hours))
+    try:
+        yield group
+    finally:
+        dist.destroy_process_group(group)
+
+
+def decided_by_rank_zero(decide: Callable[[], T], group=None) -> T:
+    """``decide()`` run on rank 0 alone, its answer on every rank (one broadcast over ``group``): one
+    choice where ranks' own views could differ (a shared filesystem seen through each node's cache).
+
+    Rank 0's error reaches every rank instead of leaving them waiting: a user error (ConfigError,
+    DataError, OSError) as the same error, marked as rank 0's (:func:`same_on_every_rank`); any other as
+    a RuntimeError naming it. Rank 0 raises its own error. Without a process group: ``decide()``.
+    """
+    if not active():
+        return decide()
+    result, failure = (None, None), None
+    if rank() == 0:
+        try:
+            result = (decide(), None)
+        except (DataError, ConfigError) as e:
+            failure, result = e, (None, (type(e).__name__, (str(e),)))
+        except OSError as e:
+            failure, result = e, (None, ("OSError", (e.errno, e.strerror, e.filename)))
+        except BaseException as e:  # noqa: BLE001 (re-raised below): the other ranks must not wait for ever
+            failure, result = e, (None, ("RuntimeError", (f"rank 0 failed: {type(e).__name__}: {e}",)))
+    value, error = broadcast_object(result, group=group)
+    if failure is not None:
+        raise failure
+    if error is not None:
+        if rank() != 0:  # rank 0 reports it: let it, as torchrun stops every rank at the first exit
+            time.sleep(1.0)
+        kind, args = error
+        raise same_on_every_rank({"DataError": DataError, "ConfigError": ConfigError, "OSError": OSError}.get(
+            kind, RuntimeError)(*args))
+    return value

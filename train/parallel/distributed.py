@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from longsft.train.common.compat import skip_inference_comm_build
-from longsft.train.common.errors import ConfigError
+from longsft.train.common.compat import release_deepspeed_groups, set_deepspeed_world_group, skip_inference_comm_build
+from longsft.train.common.errors import ConfigError, same_on_every_rank, this_rank_only
 from longsft.train.common.io import say
 from longsft.train.parallel import comm, netif
-from longsft.train.parallel.attention import setup
+from longsft.train.parallel.attention import forget_groups, setup
 
 
 @dataclass(frozen=True)
@@ -172,18 +172,22 @@ def setup_env() -> None:
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
 
 
-def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist:
+def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch", attention_kernel: str = "auto") -> Dist:
     """Initialise torch.distributed (NCCL on GPUs, gloo on CPU) and the dp/sp groups."""
     setup_env()
     world = int(os.environ["WORLD_SIZE"])
-    dims = ParallelDims(world, sp_size)  # validate before any collective
+    try:
+        dims = ParallelDims(world, sp_size)  # validate before any collective
+    except ConfigError as e:  # from what every rank knows alike: said once
+        raise same_on_every_rank(e) from None
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if local_rank >= gpus:  # NCCL cannot put two ranks on one GPU
-            raise ConfigError(f"{os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)} processes on this node but "
-                              f"{gpus} GPU(s): launch --nproc_per_node={gpus} (with a parallel.sp_size that divides "
-                              "the world size), or set CUDA_VISIBLE_DEVICES= to run on the CPU")
+            raise this_rank_only(ConfigError(
+                f"{os.environ.get('LOCAL_WORLD_SIZE', local_rank + 1)} processes on this node but {gpus} GPU(s): launch "
+                f"--nproc_per_node={gpus} (with a parallel.sp_size that divides the world size), or set "
+                "CUDA_VISIBLE_DEVICES= to run on the CPU"))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -193,19 +197,24 @@ def init(sp_size: int, timeout_s: int = 1800, sp_backend: str = "torch") -> Dist
         torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     netif.setup_gloo_interface(say=say if local_rank == 0 else None)
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        # device_id (one GPU per rank): NCCL binds the communicator to it now, and new groups split from it
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if backend == "nccl" else None)
     try:
-        return _groups(dims, rank, local_rank, device, backend, timeout_s, sp_backend)
+        return _groups(dims, rank, local_rank, device, backend, timeout_s, sp_backend, attention_kernel)
     except BaseException:
         shutdown(failed=True)
         raise
 
 
 def _groups(dims: ParallelDims, rank: int, local_rank: int, device: torch.device, backend: str, timeout_s: int,
-            sp_backend: str) -> Dist:
+            sp_backend: str, attention_kernel: str) -> Dist:
     """The nodes checked, DeepSpeed's wrapper and the dp/sp groups, on an initialised default group."""
     hosts = _node_names(comm.all_gather_objects((socket.gethostname(), os.environ.get("GROUP_RANK", "0"))))
-    placement = dims.check_nodes(hosts)  # the same verdict on every rank: all raise or none
+    try:
+        placement = dims.check_nodes(hosts)  # the same verdict on every rank: all raise or none
+    except ConfigError as e:
+        raise same_on_every_rank(e) from None
     if rank == 0 and len(set(hosts)) > 1:
         say(placement + "; " + ", ".join(f"{h} ranks {_span([r for r, x in enumerate(hosts) if x == h])}"
                                           for h in dict.fromkeys(hosts)))
@@ -213,17 +222,21 @@ def _groups(dims: ParallelDims, rank: int, local_rank: int, device: torch.device
 
     if backend == "gloo":
         skip_inference_comm_build()
-    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s))  # wraps the group
+    timeout = timedelta(seconds=timeout_s)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)  # wraps the group (its timeout unused)
+    # torch gives a new group NCCL's 10-minute default, not the default group's: every group gets ours,
+    # DeepSpeed's clone of the world (its ZeRO-3 gradient reductions) included
+    set_deepspeed_world_group(dist.new_group(list(range(dims.world_size)), timeout=timeout))
     d = Dist(rank=rank, local_rank=local_rank, dims=dims, device=device)
     for ranks in dims.sp_group_ranks():  # every rank creates every group, in the same order
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             d.sp_group = g
     for ranks in dims.dp_group_ranks():
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             d.dp_group = g
-    setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend)
+    setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend, attention_kernel)
     return d
 
 
@@ -254,6 +267,10 @@ def shutdown(failed: bool = False) -> None:
         _abort_process_group()
     else:
         dist.destroy_process_group()
+    # ... and let go of every reference to them (DeepSpeed's and the SP attention's): a group object
+    # alive at the interpreter's exit is torn down there, with the same SIGABRT
+    release_deepspeed_groups()
+    forget_groups()
 
 
 def _free_port() -> int:

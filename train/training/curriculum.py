@@ -12,8 +12,9 @@ import sys
 import time
 from typing import Any
 
-from longsft.train.common.errors import ConfigError
-from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, say, weights_source
+from longsft.train.common.errors import ConfigError, same_on_every_rank
+from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, say
+from longsft.train.common.model_files import check_model_source
 from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
 from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
@@ -40,14 +41,16 @@ def load_state(cfg: RunConfig) -> dict:
             "stages": {s.name: {"status": "pending", "steps_done": 0} for s in cfg.stages}}
 
 
-# keys that change where memory goes and how long a step takes, never a loss or a gradient (the SP and
-# ZeRO-3 equality tests run them both ways): a run resumes with them changed, e.g. after running out of memory
+# keys that change where memory goes, how long a step takes or how long ranks wait, never a loss or a
+# gradient beyond kernel rounding (the SP and ZeRO-3 equality tests run them both ways): a run resumes with
+# them changed, e.g. after running out of memory
 MEMORY_ONLY = ("model.keep_attention", "model.offload_activations", "model.mlp_tile_tokens",
-               "model.loss_chunk_tokens", "validation.whole_model_gb")
+               "model.loss_chunk_tokens", "validation.whole_model_gb", "parallel.attention_kernel",
+               "parallel.timeout_minutes")
 
 
 def check_resolved_config(cfg: RunConfig) -> bool:
-    """A resumed run must use the same resolved config (except logging). Every rank checks.
+    """A resumed run must use the same resolved config (except logging). Rank 0 checks for every rank.
 
     Returns True when the run directory's config is to be replaced: it differs, but no optimizer
     step was ever completed there (a run that failed at the start takes the corrected config).
@@ -150,21 +153,20 @@ def _lock_holder(run_dir) -> str:
         return "unknown holder"
 
 
-def check_model(cfg: RunConfig) -> None:
-    """Checks that need only the model's config (no weights): head counts against the SP backend."""
-    import os
-
+def check_model(cfg: RunConfig) -> str:
+    """Checks that need only the model's config (no weights): head counts against the SP backend.
+    Returns the name of the block kernel sequence-parallel attention will run (:func:`attention_kernel`)."""
     m = cfg.model
     for key, value in (("model.path", m.path), ("model.tokenizer", m.tokenizer)):
         if not value or value == "qwen":
             continue
-        value, _ = weights_source(value, m.gguf_file if key == "model.path" else None, key)
-        if (os.sep in value or value.startswith(".")) and not os.path.exists(value) \
-                and value.count("/") != 1:  # "org/name" may be a hub id
-            raise ConfigError(f"{key}={value}: no such folder (a local model folder with config.json, or a hub id "
-                              "already in the Hugging Face cache)")
+        # a missing path, an uncached hub id offline, a cut-off config.json, shard or GGUF: refused now, named
+        check_model_source(value, m.gguf_file if key == "model.path" else None, key,
+                           "weights" if key == "model.path" else None)
     try:
         hf = build_hf_config(m)
+    except ConfigError:
+        raise
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path={m.path}: cannot read its config.json ({e})") from None
     check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
@@ -179,16 +181,34 @@ def check_model(cfg: RunConfig) -> None:
     if m.loss_kernel == "liger" and not torch.cuda.is_available():
         raise ConfigError("model.loss_kernel=liger runs on CUDA GPUs only; use model.loss_kernel=torch "
                           "(with model.loss_chunk_tokens) on this machine")
+    return attention_kernel(cfg, hf)
+
+
+def attention_kernel(cfg: RunConfig, hf) -> str:
+    """The fused kernel the ring's blocks (and Ulysses) run on this machine, by name; a forced
+    ``parallel.attention_kernel`` that cannot run here fails now, before any model is built."""
+    import torch
+
+    from longsft.train.model.build import torch_dtype
+    from longsft.train.parallel.kernels import block_kernel
+
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return block_kernel(device, torch_dtype(cfg.model), cfg.parallel.attention_kernel, head_dim).name
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def run(cfg: RunConfig) -> dict:
     """Run (or resume) the whole curriculum; returns the final state."""
     validate(cfg)
     check_run_dir(cfg)
-    check_model(cfg)
-    d = distributed.init(cfg.parallel.sp_size, sp_backend=cfg.parallel.sp_backend)
+    kernel = check_model(cfg)
+    d = distributed.init(cfg.parallel.sp_size, cfg.parallel.timeout_minutes * 60, cfg.parallel.sp_backend,
+                         cfg.parallel.attention_kernel)
     try:
-        state = _run(cfg, d)
+        state = _run(cfg, d, kernel)
     except BaseException:
         distributed.shutdown(failed=True)
         raise
@@ -196,10 +216,14 @@ def run(cfg: RunConfig) -> dict:
     return state
 
 
-def _run(cfg: RunConfig, d: distributed.Dist) -> dict:
-    """The curriculum on initialised process groups: data checked, run directory locked, stages run."""
+def _run(cfg: RunConfig, d: distributed.Dist, kernel: str) -> dict:
+    """The curriculum on initialised process groups: data checked, run directory locked, stages run.
+    ``kernel``: the attention block kernel's name, for the log."""
     if d.is_main and (hint := distributed.huge_pages_hint()):
         say(hint)
+    if d.is_main:
+        say(f"attention: parallel.sp_backend={cfg.parallel.sp_backend} over sp_size={cfg.parallel.sp_size}; "
+            f"fused block kernel {kernel} (where the ring, Ulysses or kept attention runs)")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one to read
@@ -209,7 +233,7 @@ def _run(cfg: RunConfig, d: distributed.Dist) -> dict:
         # is touched: a bad row fails every rank, before hours of training
         ensure_all(cfg, tokenizer, log=say if d.is_main else None)
     run_dir = cfg.run_path
-    replace_config = check_resolved_config(cfg)  # every rank: a mismatch fails everywhere, not at a barrier
+    replace_config = comm.decided_by_rank_zero(lambda: check_resolved_config(cfg))  # a mismatch fails every rank
     d.barrier()
     lock = None
     if d.is_main:
@@ -217,7 +241,8 @@ def _run(cfg: RunConfig, d: distributed.Dist) -> dict:
         lock = lock_run_dir(run_dir)
     holder = comm.broadcast_object(None if lock else _lock_holder(run_dir))
     if holder is not None:
-        raise ConfigError(f"{run_dir} is in use by another job ({holder}); wait for it or use another run_dir")
+        raise same_on_every_rank(ConfigError(f"{run_dir} is in use by another job ({holder}); wait for it or use "
+                                             "another run_dir"))
     if d.is_main:
         if replace_config:  # the old config never completed a step: keep it beside, train the new one
             os.replace(run_dir / "config.yaml", run_dir / "config.yaml.untrained")
@@ -227,7 +252,7 @@ def _run(cfg: RunConfig, d: distributed.Dist) -> dict:
         if not (run_dir / "config.yaml").exists() or read_text(run_dir / "config.yaml") != dump_yaml(cfg):
             atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))  # (a resume's own memory settings)
     d.barrier()
-    state = load_state(cfg)
+    state = comm.decided_by_rank_zero(lambda: load_state(cfg))  # one view of which stages are done
     if d.is_main:
         prepare_data(cfg, tokenizer)
     d.barrier()

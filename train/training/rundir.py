@@ -13,9 +13,10 @@ from longsft.train.common.io import read_json, read_text
 from longsft.train.config import RunConfig, to_dict
 
 RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
-# what longsft puts there before the run starts: lock, stop request, submit folder, and the sample set
-# that `longsft data prepare` writes for data.source=sample
-PRE_RUN = {".lock", "STOP", "submit", "data"}
+# what longsft puts there before the run starts: lock, stop request, submit folder, the sample set that
+# `longsft data prepare` writes for data.source=sample, and the folder for NCCL's flight-recorder dumps
+# (launch/slurm/curriculum.sbatch)
+PRE_RUN = {".lock", "STOP", "submit", "data", "nccl_traces"}
 
 
 def check_run_dir(cfg: RunConfig) -> None:

@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 import torch
 
 from longsft.train import plan
-from longsft.train.common.errors import ConfigError
+from longsft.train.common.errors import ConfigError, same_on_every_rank
 from longsft.train.common.io import write_jsonl
 from longsft.train.config import RunConfig
 from longsft.train.data.batching import StepSampler, pack
@@ -118,7 +118,9 @@ class StageTrainer:
             self.tracker.write(f"stage {self.stage.name}: {note}")
         self.setup()
         step = 0
-        tag = checkpoint.latest_resume(self.dir)
+        # rank 0's view of the shared filesystem decides: each rank's own (NFS attribute caches) could
+        # pick different steps after a fast requeue
+        tag = comm.decided_by_rank_zero(lambda: checkpoint.latest_resume(self.dir))
         if tag is not None:
             ts = checkpoint.load_resume(self.engine, self.d, tag)
             step = ts["step"]
@@ -135,9 +137,10 @@ class StageTrainer:
                 self.state["status"] = "failed"
                 self.state["error"] = f"loss {rec['loss']} at step {step}"
                 self.save_state()
-                raise TrainingError(f"stage {self.stage.name}: loss is {rec['loss']} at step {step}; stopped. The last "
-                                    f"good checkpoint stays in {self.dir / 'ckpt'} (rerun resumes from it; lower "
-                                    "the learning rate or check the data first)")
+                raise same_on_every_rank(TrainingError(
+                    f"stage {self.stage.name}: loss is {rec['loss']} at step {step}; stopped. The last good checkpoint "
+                    f"stays in {self.dir / 'ckpt'} (rerun resumes from it; lower the learning rate or check the data "
+                    "first)"))
             if step % self.cfg.logging.log_every == 0 or step == self.total_steps:
                 self.tracker.log(rec)
             validate = self.stage.validate and (step % self.val_every == 0 or step == self.total_steps)
