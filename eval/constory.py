@@ -5,6 +5,12 @@
     longsft constory metrics reports=DIR [prompts=P.jsonl]
     longsft constory generate --help                 every key with its default
 
+Output folders (``out``): given, or by default ``runs/constory`` for ``generate``,
+``runs/constory/check-<stories>-<judge>`` for ``check`` (``<stories>``: the stories file's name, or its
+folder's for a ``stories.jsonl``), and the reports' own folder for ``metrics``. A folder holding another
+check (other stories, judge or backend: its ``check.json``) is refused, never written over; a rerun of
+the same check resumes.
+
 The checker has four stages, all with one judge model (any ``longsft eval`` backend, including a
 longsft checkpoint): (1) category-guided extraction of contradiction-prone spans, one prompt per
 category, the story shown as numbered paragraphs; (2) pairing of the extracted spans into
@@ -47,10 +53,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.eval.harness import EvalConfig, OutputDir, _Lazy, check_model, make_backend
+from longsft.eval.harness import EvalConfig, OutputDir, _Lazy, check_model, make_backend, model_name
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, write_jsonl
+from longsft.train.common.io import (atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, read_json,
+                                     write_jsonl)
 from longsft.train.common.llm import answer_key, reask_json
 from longsft.train.config import config_help, from_args
 
@@ -367,7 +374,9 @@ class ConStoryConfig:
     base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
     tokenizer: str | None = None  # default: the model path ("qwen": the Qwen3 vocabulary, offline)
     recipe: str | None = None  # take tokenizer and rope scaling from this recipe's model section
-    out: str = "runs/constory"  # output folder
+    # output folder; default: runs/constory (generate), runs/constory/check-<stories>-<judge> (check), the
+    # reports' folder (metrics)
+    out: str = ""
     target_words: int = 8000  # generate: asked for in the prompt
     max_new_tokens: int = 16384
     max_story_chars: int = 60_000  # check: longer stories are read in overlapping windows
@@ -433,6 +442,62 @@ def _check_stories_out(out: Path, model: str) -> None:
                           f"model={model!r}: give each model its own out=, or delete {path}")
 
 
+def _plain(name: str) -> str:
+    """``name`` as one folder-name component."""
+    return re.sub(r"[^\w.-]", "_", name).lstrip(".") or "x"
+
+
+def default_out(cmd: str, cfg: ConStoryConfig) -> Path:
+    """``out`` when none is given: ``generate`` -> runs/constory; ``check`` -> a folder of its own per stories
+    file and judge; ``metrics`` -> the folder of the reports it reads (a check's), else one per reports file."""
+    if cfg.out:
+        return Path(cfg.out)
+    if cmd == "check":
+        path = Path(cfg.stories)
+        stories = path.resolve().parent.name if path.name == "stories.jsonl" else path.stem
+        return Path("runs/constory") / f"check-{_plain(stories)}-{_plain(model_name(cfg.judge, cfg.backend))}"
+    if cmd == "metrics" and cfg.reports:
+        path = Path(cfg.reports)
+        if path.is_dir() or path.name == "reports.jsonl":
+            return path if path.is_dir() else path.parent
+        return Path("runs/constory") / f"metrics-{_plain(path.stem)}"
+    return Path("runs/constory")
+
+
+def check_identity(cfg: ConStoryConfig) -> dict:
+    """What makes one check: the stories file, the judge and its backend (``check.json`` in its folder)."""
+    return {"stories": str(Path(cfg.stories).resolve()), "judge": cfg.judge, "backend": cfg.backend}
+
+
+def _check_reports_out(out: Path, ident: dict, stories: list[dict]) -> None:
+    """``check`` writes only into a new folder, a folder without a check, or its own (a rerun resumes):
+    another check's reports.jsonl is never replaced. A folder from before ``check.json`` is its own
+    when its reports are of the same stories."""
+    record, reports = out / "check.json", out / "reports.jsonl"
+    if record.is_file():
+        old = read_json(record, "ConStory check record")
+        old = old if isinstance(old, dict) else {}
+        differ = [k for k in ident if old.get(k) != ident[k]]
+        if differ:
+            what = ", ".join(f"{k}={old.get(k)!r} there, {ident[k]!r} now" for k in differ)
+            raise ConfigError(f"out={out} holds another ConStory check ({what}); it is neither resumed nor "
+                              f"replaced: give this one its own out= (or leave out= unset), or delete {out}")
+    elif reports.is_file():
+        had = {(str(r.get("id")), str(r.get("model_name"))) for _, r in iter_jsonl(reports, log=True)}
+        now = {(str(s["id"]), s["model_name"]) for s in stories}
+        if had != now:
+            raise ConfigError(f"out={out} holds the reports of other stories ({reports}); give this check its own "
+                              "out= (or leave out= unset), or delete it")
+
+
+def _check_metrics_out(out: Path, source: Path) -> None:
+    """``metrics`` does not replace the metrics a check folder holds of its own, other reports."""
+    reports = out / "reports.jsonl"
+    if reports.is_file() and reports.resolve() != source.resolve():
+        raise ConfigError(f"out={out} is the folder of another ConStory check ({reports}); its metrics would be "
+                          f"replaced by those of {source}: give another out=, or leave out= unset")
+
+
 def constory_help() -> str:
     return config_help(ConStoryConfig, __doc__.split("\n\n", 2)[1])
 
@@ -456,7 +521,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"limit={cfg.limit} must be >= 0")
     if cfg.backend == "openai" and not cfg.base_url:
         raise ConfigError("backend=openai needs base_url= (an OpenAI-compatible endpoint, e.g. http://host:8000/v1)")
-    out = Path(cfg.out)
+    out = default_out(cmd, cfg)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out}: is a file; give a folder")
     if cmd == "generate":
@@ -486,7 +551,10 @@ def main(argv: list[str]) -> int:
         if not cfg.judge:
             raise ConfigError("judge= is required (the judge model)")
         check_model(cfg.judge, cfg.backend, "judge")
+        ident = check_identity(cfg)
+        _check_reports_out(out, ident, stories)
         with OutputDir(out) as made:
+            atomic_write_json(out / "check.json", ident)
             cache = made.cache = AppendCache(out / "judge_cache.jsonl")
             backend = _Lazy(lambda: _backend(cfg, cfg.judge))
             reports = []
@@ -506,6 +574,7 @@ def main(argv: list[str]) -> int:
         raise ConfigError("give reports=DIR (a `constory check` output folder) or reports=FILE")
     source = Path(cfg.reports) / "reports.jsonl" if Path(cfg.reports).is_dir() else Path(cfg.reports)
     reports = _records(str(check_input_file(source)), "reports", ("id", "model_name"))
+    _check_metrics_out(out, source)
     with OutputDir(out):
         print(metrics_tables(metrics(reports), out))
     return _unjudged(reports)

@@ -38,8 +38,8 @@ from longsft.eval.scoring.judgement import parse_judgement
 from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import (PACKAGE_PREFIX, atomic_write_json, check_input_file, read_json, safe_name,
-                                     weights_source, write_jsonl)
+from longsft.train.common.io import PACKAGE_PREFIX, atomic_write_json, check_input_file, read_json, safe_name, write_jsonl
+from longsft.train.common.model_files import check_model_source
 from longsft.train.common.llm import answer_key
 from longsft.train.config import ModelConfig, config_help, from_args, load_config, to_dict
 from longsft.train.data.prompts import render_prompt
@@ -136,17 +136,19 @@ def parse_eval_args(argv: list[str]) -> EvalConfig:
 
 def check_model(model: str, backend: str, key: str = "model", gguf_file: str | None = None) -> None:
     """A local model is a checkpoint folder or a GGUF file (``x.gguf``, ``pkg:PACKAGE/FILE``, a folder
-    with ``gguf_file``); a missing path is refused before anything is written.
+    with ``gguf_file``); a missing path, or a cut-off or corrupt config.json, weight shard or GGUF file,
+    is refused before anything is written, in the words ``longsft train`` uses
+    (:func:`~longsft.train.common.model_files.check_model_source`).
 
-    A name that is no local path (``Qwen/Qwen3-8B``) is left to Hugging Face; ``openai`` models are
-    served names."""
+    A name that is no local path (``Qwen/Qwen3-8B``) is a Hugging Face id: refused now only when it is not
+    in the local cache and ``HF_HUB_OFFLINE`` is set; ``openai`` models are served names."""
     if backend == "openai":
         return
     if gguf_file or model.startswith(PACKAGE_PREFIX) or model.endswith(".gguf"):
         if backend != "hf":
             raise ConfigError(f"{key}={model}: a GGUF model is evaluated with backend=hf (dequantised); for "
                               f"backend={backend} give an HF checkpoint folder")
-        weights_source(model, gguf_file, key)
+        check_model_source(model, gguf_file, key)
         return
     path = Path(model).expanduser()
     if path.exists():
@@ -156,10 +158,7 @@ def check_model(model: str, backend: str, key: str = "model", gguf_file: str | N
         if not (path / "config.json").is_file():
             raise ConfigError(f"{key}={model}: no config.json in this folder; is it a checkpoint (e.g. "
                               "runs/<run>/stages/<stage>/best)?")
-        return
-    if model.startswith(("/", ".", "~")) or model.endswith("/") or "\\" in model or model.count("/") > 1:
-        raise ConfigError(f"{key}={model}: not found (a checkpoint folder with config.json, or a Hugging Face "
-                          "id such as Qwen/Qwen3-8B)")
+    check_model_source(model, None, key)
 
 
 # the settings whose change makes another evaluation: resuming into its folder would mix the two
@@ -249,6 +248,8 @@ def run_eval(cfg: EvalConfig) -> dict:
     if cfg.limit:
         samples = samples[: cfg.limit]
     check_model(cfg.model, cfg.backend, gguf_file=model_config(cfg).gguf_file if cfg.backend == "hf" else None)
+    if cfg.tokenizer not in (None, "qwen", cfg.model) and cfg.backend != "openai":
+        check_model_source(cfg.tokenizer, None, "tokenizer", what=None)  # a missing path: refused now too
     check_out_dir(cfg)
     out = cfg.out_path
     with OutputDir(out) as made:

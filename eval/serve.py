@@ -19,7 +19,8 @@ most ``workers`` threads read and answer requests and ``max_queue`` ready ones w
 which a request gets 503. Every error is JSON in OpenAI's shape. The model generates one request at a
 time, in arrival order, so a request waits at most for those ahead of it, each bounded by
 ``max_new_tokens``: that cap is the fairness guarantee (there is no batching or preemption).
-A port in use is reported (exit 2) before the model loads; a host other than loopback is warned about.
+A missing or cut-off model, and a port in use, are reported (exit 2) before the model loads; a host other
+than loopback is warned about.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from socketserver import TCPServer
 from typing import Any, Literal
 
 from longsft.eval.backends import HFBackend
-from longsft.eval.harness import EvalConfig, model_config
+from longsft.eval.harness import EvalConfig, check_model, model_config
 from longsft.train.common.errors import ConfigError
 from longsft.train.config import config_help, from_args
 
@@ -540,8 +541,12 @@ def _bind_message(cfg: ServeConfig, e: OSError) -> str:
 
 
 def build(cfg: ServeConfig, backend=None) -> Server:
-    """Bind, warn about an exposed host, load the model (unless ``backend`` is given) and start the workers."""
+    """Check the model's files (unless ``backend`` is given), bind, warn about an exposed host, load the model
+    and start the workers. A missing or cut-off model is refused before the port is taken, as ``eval`` refuses it."""
     cfg.validate()
+    if backend is None:
+        model_cfg = model_config(EvalConfig(model=cfg.model, tokenizer=cfg.tokenizer, recipe=cfg.recipe))
+        check_model(cfg.model, "hf", gguf_file=model_cfg.gguf_file)
     server = Server(cfg)
     try:
         app_key = api_key(cfg)
@@ -553,8 +558,7 @@ def build(cfg: ServeConfig, backend=None) -> Server:
             print(f"longsft serve: warning: {server.server_address[0]} is reachable from other machines; {risk}",
                   file=sys.stderr, flush=True)
         if backend is None:
-            backend = HFBackend(model_config(EvalConfig(model=cfg.model, tokenizer=cfg.tokenizer, recipe=cfg.recipe)),
-                                cfg.max_new_tokens, enable_thinking=cfg.enable_thinking, dtype=cfg.dtype)
+            backend = HFBackend(model_cfg, cfg.max_new_tokens, enable_thinking=cfg.enable_thinking, dtype=cfg.dtype)
         server.start(App(cfg, backend))
     except BaseException:
         server.server_close()

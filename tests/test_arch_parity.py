@@ -1,7 +1,8 @@
 """Sequence parallelism trains the same model as one process, for every architecture family longsft
-accepts (tiny configs, sp=2 vs one process, both backends). A transformers release that gives one of
-them a quirk the SP attention would drop fails here, not in a run; known quirks are refused at
-start-up (tests/test_model_quirks.py)."""
+accepts (tiny configs, sp=2 vs one process, both backends), and the trainer's memory planner plans
+each one (a trace it cannot run would leave the trainer without a plan). A transformers release that
+gives one of them a quirk the SP attention would drop fails here, not in a run; known quirks are
+refused at start-up (tests/test_model_quirks.py)."""
 
 import json
 
@@ -35,3 +36,4 @@ def test_every_family_under_sp2_equals_one_process(tmp_path):
     assert {(r["family"], r["backend"]) for r in results} == {(f, b) for f in FAMILIES for b in ("torch", "ulysses")}
     for r in results:
         assert r["params"] and r["loss"] < 1e-6 and r["grad"] < 1e-5, r
+        assert r["plan"].startswith("planned peak"), r  # traced, as the trainer plans it

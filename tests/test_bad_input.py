@@ -147,8 +147,8 @@ def test_report_of_a_folder_without_runs(tmp_path):
         aggregate([tmp_path])
 
 
-@pytest.mark.parametrize("path, message", [("/nope/model", "model.path=/nope/model: no such folder"),
-                                           ("{empty}", "cannot read its config.json")])
+@pytest.mark.parametrize("path, message", [("/nope/model", "model.path=/nope/model: not found"),
+                                           ("{empty}", "empty: cannot read the model's config")])
 def test_model_path_that_is_not_a_model(tmp_path, capsys, path, message):
     from longsft.train.cli import main
 

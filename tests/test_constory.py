@@ -135,3 +135,49 @@ def test_generate_is_cached_and_resumable(tiny_model_dir, tmp_path):
     lines = (tmp_path / "gen" / "generations.jsonl").read_text()
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     assert (tmp_path / "gen" / "generations.jsonl").read_text() == lines  # nothing generated again
+
+
+def test_check_and_metrics_write_to_a_folder_of_their_own(server, tmp_path, monkeypatch, capsys):
+    """No shared default folder: ``check`` writes to one per stories file and judge, ``metrics`` beside the
+    reports it reads. A folder holding another check (other stories, judge or backend) is refused, never
+    written over; the same check resumes there; an explicit ``out=`` works as before."""
+    from pathlib import Path
+
+    from conftest import run_cli, snapshot
+
+    from longsft.eval.constory import ConStoryConfig, default_out
+
+    monkeypatch.chdir(tmp_path)
+    qwen = ConStoryConfig(stories="runs/cs/qwen3/stories.jsonl", judge="gpt-4o", backend="openai")
+    assert default_out("check", qwen) == Path("runs/constory/check-qwen3-gpt-4o")
+    others = {default_out("check", ConStoryConfig(stories="llama.jsonl", judge="gpt-4o", backend="openai")),
+              default_out("check", ConStoryConfig(stories=qwen.stories, judge="/models/Judge-7B", backend="hf"))}
+    assert others == {Path("runs/constory/check-llama-gpt-4o"), Path("runs/constory/check-qwen3-Judge-7B")}
+    assert default_out("generate", ConStoryConfig()) == Path("runs/constory")  # as before
+    stories = tmp_path / "s.jsonl"
+    stories.write_text(json.dumps({"id": "p1", "model_name": "m1", "generated_story": story_en()}) + "\n")
+    check = ["constory", "check", f"stories={stories}", "backend=openai", f"base_url={server.url}"]
+    code, out, err = run_cli(capsys, *check, "judge=constory-judge")  # no out=: its own folder
+    mine = tmp_path / "runs" / "constory" / "check-s-constory-judge"
+    assert code == 0 and (mine / "reports.jsonl").is_file() and (mine / "check.json").is_file(), err
+    code, out, err = run_cli(capsys, "constory", "metrics", f"reports={mine}")  # no out=: beside the reports
+    assert code == 0 and "| m1 |" in out and (mine / "constory_metrics.md").is_file()
+    assert sorted(p.name for p in (tmp_path / "runs" / "constory").iterdir()) == ["check-s-constory-judge"]
+
+    before = snapshot(mine)
+    code, _, err = run_cli(capsys, *check, "judge=other-judge", f"out={mine}")  # another judge, the same folder
+    assert code == 2 and f"out={mine} holds another ConStory check (judge='constory-judge' there, 'other-judge' " \
+                          "now)" in err, err
+    other = tmp_path / "other_reports.jsonl"
+    other.write_text((mine / "reports.jsonl").read_text())
+    code, _, err = run_cli(capsys, "constory", "metrics", f"reports={other}", f"out={mine}")
+    assert code == 2 and f"out={mine} is the folder of another ConStory check" in err
+    assert snapshot(mine) == before
+    assert run_cli(capsys, *check, "judge=constory-judge", f"out={mine}")[0] == 0  # the same check: resumed
+
+    (mine / "check.json").unlink()  # a folder written before check.json: its reports say whose it is
+    assert run_cli(capsys, *check, "judge=constory-judge", f"out={mine}")[0] == 0
+    (mine / "check.json").unlink()
+    stories.write_text(json.dumps({"id": "p2", "model_name": "m1", "generated_story": story_en()}) + "\n")
+    code, _, err = run_cli(capsys, *check, "judge=constory-judge", f"out={mine}")
+    assert code == 2 and f"out={mine} holds the reports of other stories" in err

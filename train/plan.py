@@ -23,7 +23,7 @@ The peak is the resident state plus the largest of three working sets (bytes per
 On GPUs the attention terms add the flash backward's workspace (fp32 dq accumulator, GQA-expanded
 dk/dv) and the ring's merge temporaries, and three margins that ``max_memory_allocated`` does not
 see are added to the total: ``reserve`` (CUDA context and library workspaces, ``--reserve-gib``),
-``nccl`` (communicator buffers: world, SP and DP groups, the ring's peer-to-peer pair) and
+``nccl`` (the buffers of each NCCL communicator a rank holds: :func:`communicators`) and
 ``fragmentation`` (caching-allocator slack, a share of the working set). ``Estimate.allocated`` is
 the total without them, what ``torch.cuda.max_memory_allocated`` measures.
 
@@ -38,6 +38,7 @@ Host memory per node (offloaded optimizer, parameters and activations) is report
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -50,6 +51,7 @@ import torch
 from longsft.train.common.compat import storage_id, torch_dispatch_mode, tree_leaves, without_zero3_init
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import read_json
+from longsft.train.common.model_files import check_model_source, looks_local, model_not_found
 from longsft.train.config import RECIPE_DIR, ModelConfig, RunConfig, StageConfig, keeps_attention
 from longsft.train.data.token_cache import host_bytes
 from longsft.train.model.build import build_hf_config
@@ -71,7 +73,9 @@ class Hardware:
     gpu_gib: float = 79.0  # what PyTorch reports for an "80 GB" card (79.1-79.6 GiB), less nothing else
     host_gib: float | None = None
     reserve_gib: float = 1.0  # CUDA context, cuBLAS/cuDNN workspaces
-    nccl_gib_per_communicator: float = 0.25  # NCCL's buffers; NVLS on NVSwitch machines can take more
+    # NCCL's buffers per communicator. On NVSwitch nodes (HGX H100/H200) NCCL's NVLS buffers make each one
+    # larger: run with NCCL_NVLS_ENABLE=0, or add the difference to reserve_gib (``--reserve-gib``)
+    nccl_gib_per_communicator: float = 0.25
     fragmentation: float = 0.10  # caching-allocator slack, a share of the working set
     cuda: bool = True  # False: the CPU validation (no flash workspace, no margins)
 
@@ -167,12 +171,18 @@ class Estimate:
 
 
 def model_config_source(cfg: RunConfig) -> str:
-    """Where the model's config comes from: inline ``model.config``, a local checkpoint, or a shipped file."""
-    if cfg.model.config is not None or cfg.model.gguf_file or cfg.model.path.endswith(".gguf"):
+    """Where the model's config comes from: inline ``model.config``, a local checkpoint, or a shipped file.
+    A local path that is not there, or a cut-off GGUF file, is refused as ``longsft train`` refuses it."""
+    if cfg.model.config is not None:
+        return "recipe"
+    if cfg.model.gguf_file or cfg.model.path.endswith(".gguf"):
+        check_model_source(cfg.model.path, cfg.model.gguf_file, what="config")  # missing or cut off: named
         return "recipe"  # (a GGUF file: its header, read without the weights)
     path = Path(cfg.model.path)
     if (path / "config.json").is_file():
         return str(path / "config.json")
+    if looks_local(cfg.model.path) and not path.exists():
+        raise model_not_found("model.path", cfg.model.path)
     shipped = MODEL_DIR / f"{path.name}.json"
     if shipped.is_file():
         return str(shipped)
@@ -186,6 +196,8 @@ def hf_config(cfg: RunConfig):
     if source == "recipe":
         try:
             return build_hf_config(cfg.model)
+        except ConfigError:  # a broken file, named (build_hf_config reads through model_files.reading_model)
+            raise
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.config / model.path={cfg.model.path}: cannot build the model's config ({e})") \
                 from None
@@ -283,11 +295,38 @@ class _LiveBytes(torch_dispatch_mode()):
         self.peak = max(self.peak, self.now)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            out = _grouped_mm_any_dtype(func, args, kwargs or {})
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
+
+
+def _grouped_mm_any_dtype(func, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``torch._grouped_mm`` (mixture-of-experts layers: transformers' grouped_mm experts) on meta tensors
+    of any dtype: its meta kernel takes bf16 only (the CUDA kernel's rule) where an fp32 model runs it
+    (on the CPU) in fp32. The result: the shape of the bf16 call, in the inputs' dtype (or ``out_dtype``)."""
+    a, b, *rest = args
+    out = func(a.to(torch.bfloat16), b.to(torch.bfloat16), *rest, **{**kwargs, "out_dtype": None})
+    return out.to(kwargs.get("out_dtype") or a.dtype)
+
+
+@contextlib.contextmanager
+def _tracing(hf):
+    """Where the planner runs transformers' modelling code on the meta device: what it raises (an op without
+    a meta kernel, a dtype a kernel refuses) becomes one ConfigError, so that :func:`choose` trains without a
+    plan and says why in its note, and ``longsft plan`` prints one line: never a crash on rank 0 alone."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        line = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"the planner cannot trace model type {hf.model_type} on the meta device "
+                          f"({type(e).__name__}: {line})") from None
 
 
 def _activation_peak(hf, layers: int, m: ModelConfig, tokens: int) -> int:
@@ -319,11 +358,12 @@ def prefill_peak(shape: Shape, m: ModelConfig, tokens: int) -> int:
     key = ("prefill", tokens, m.dtype)
     if key not in shape.traces:
         dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float32
-        model = _meta_model(shape.hf, 1, dtype).eval()
-        x = torch.zeros(1, tokens, shape.hidden, device="meta", dtype=dtype)
-        live = _LiveBytes({storage_id(p.untyped_storage()) for p in model.parameters()})
-        with live, torch.no_grad():
-            model.model(inputs_embeds=x, position_ids=torch.arange(tokens, device="meta")[None], use_cache=False)
+        with _tracing(shape.hf):
+            model = _meta_model(shape.hf, 1, dtype).eval()
+            x = torch.zeros(1, tokens, shape.hidden, device="meta", dtype=dtype)
+            live = _LiveBytes({storage_id(p.untyped_storage()) for p in model.parameters()})
+            with live, torch.no_grad():
+                model.model(inputs_embeds=x, position_ids=torch.arange(tokens, device="meta")[None], use_cache=False)
         shape.traces[key] = live.peak
     return shape.traces[key]
 
@@ -336,7 +376,8 @@ def stack_activations(shape: Shape, m: ModelConfig, tokens: int) -> tuple[float,
     """
     key = (tokens, m.dtype, m.gradient_checkpointing, m.mlp_tile_tokens)
     if key not in shape.traces:
-        one, two = (_activation_peak(shape.hf, n, m, tokens) for n in (1, 2))
+        with _tracing(shape.hf):
+            one, two = (_activation_peak(shape.hf, n, m, tokens) for n in (1, 2))
         per_layer = two - one
         shape.traces[key] = (one + (shape.layers - 1) * per_layer, shape.layers * per_layer)
     return shape.traces[key]
@@ -346,7 +387,8 @@ def model_shape(cfg: RunConfig) -> Shape:
     """Sizes of the model ``cfg`` trains, from its config alone (meta device: no memory)."""
     hf = hf_config(cfg)
     dtype = torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
-    one, two = _meta_model(hf, 1, dtype), _meta_model(hf, 2, dtype)
+    with _tracing(hf):
+        one, two = _meta_model(hf, 1, dtype), _meta_model(hf, 2, dtype)
     n1 = sum(p.numel() for p in one.parameters())
     n2 = sum(p.numel() for p in two.parameters())
     per_layer = n2 - n1
@@ -493,15 +535,40 @@ def _estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, ta
                                   "activations": prefill_peak(shape, cfg.model, s_val), "comm": comm}
     if hw.cuda:
         work = max(sum(p.values()) for p in e.phases.values())
-        communicators = 1 + (3 if sp > 1 else 0) + (1 if 1 < sp < world else 0)  # world; SP group + ring pair; DP
         e.margins = {"reserve": hw.reserve_gib * GIB,
-                     "nccl": (hw.nccl_gib_per_communicator * GIB * communicators) if world > 1 else 0.0,
+                     "nccl": hw.nccl_gib_per_communicator * GIB * len(communicators(world, sp)),
                      "fragmentation": hw.fragmentation * work}
     e.data_per_gpu, e.samples = host_bytes(cfg, stage)
     e.host_per_node = (host + e.data_per_gpu) * hw.gpus_per_node
     if not hw.cuda:  # on CPU the "device" is the host: what a rank offloads takes the same memory
         e.host_share = host + e.data_per_gpu
     return e
+
+
+def communicators(world: int, sp: int) -> list[str]:
+    """The NCCL communicators one rank holds, each with its own buffers (``Hardware.nccl_gib_per_communicator``).
+
+    - ``world``: the default group;
+    - ``deepspeed-world``: DeepSpeed's clone of it, the group ZeRO-3 reduces gradients over
+      (``deepspeed.utils.groups._clone_world_group``; longsft makes it, ``compat.set_deepspeed_world_group``);
+    - ``sp``: the rank's sequence-parallel group (sp > 1), and ``dp``: its data-parallel group
+      (world / sp > 1); ``parallel/distributed.py`` makes both. The default group is bound to the
+      rank's GPU, so each group connects when made (``new_group`` inherits the device), used or not;
+      a group of one rank has no peers to buffer for.
+
+    The ring's transfers add none: they are batched (``batch_isend_irecv``: longsft's ring and
+    ring-flash-attn's), and ProcessGroupNCCL runs a batched point-to-point op on the group's own
+    communicator, as a collective; only a lone ``isend``/``irecv`` would make a two-rank
+    communicator per peer pair, and longsft sends none. Ulysses' all-to-all runs on the SP group.
+    """
+    if world <= 1:
+        return []
+    held = ["world", "deepspeed-world"]
+    if sp > 1:
+        held.append("sp")
+    if world // sp > 1:
+        held.append("dp")
+    return held
 
 
 def this_job(world: int, local_world: int) -> Hardware:
@@ -545,9 +612,11 @@ def choose(cfg: RunConfig, stage: StageConfig, world: int, local_world: int, tar
     try:
         shape = model_shape(cfg)
         est = estimate(cfg, stage, shape, hw, targets)
-    except ConfigError as e:
+    except Exception as e:  # (ConfigError: a model it cannot trace, say) never a crash on rank 0 alone
+        why = str(e) if isinstance(e, ConfigError) else f"the planner failed: {type(e).__name__}: {e}"
         keep = keeps_attention(cfg.model, cfg.parallel.sp_size, cfg.data.packing)  # (auto: False)
-        return Choices(keep, False, f"no memory plan ({e}); keep_attention {'on' if keep else 'off'}{auto}")
+        return Choices(keep, False, f"no memory plan ({(why.splitlines() or [''])[0]}); keep_attention "
+                                    f"{'on' if keep else 'off'}{auto}")
     where = f"{hw.gpu_gib:.1f} GiB per {'GPU' if hw.cuda else 'rank (host memory available)'}"
     held = f", tied head weight {'held' if est.hold_tied_weight else 'released'} in the backward" if shape.tied else ""
     return Choices(est.keep_attention, est.hold_tied_weight,
@@ -623,9 +692,12 @@ def table(cfg: RunConfig, hw: Hardware, shape: Shape, rows: list[Estimate]) -> s
     lines += ["", need]
     if rows[0].margins:
         m = rows[0].margins
+        held = communicators(hw.world, cfg.parallel.sp_size)
         lines.append(f"margins in the total (not in torch.cuda.max_memory_allocated): reserve {m['reserve'] / GIB:.1f} "
-                     f"GiB (CUDA context; --reserve-gib), nccl {m['nccl'] / GIB:.2f} GiB ({hw.nccl_gib_per_communicator:g} "
-                     f"GiB per communicator), fragmentation {hw.fragmentation:.0%} of the working set (set "
+                     f"GiB (CUDA context; --reserve-gib), nccl {m['nccl'] / GIB:.2f} GiB ({len(held)} NCCL "
+                     f"communicators per rank: {', '.join(held) or 'none'}; {hw.nccl_gib_per_communicator:g} GiB each, "
+                     "more with NVLS on NVSwitch nodes: set NCCL_NVLS_ENABLE=0 there, or add the difference to "
+                     f"--reserve-gib), fragmentation {hw.fragmentation:.0%} of the working set (set "
                      "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to keep it small)")
     return "\n".join(lines)
 

@@ -2,9 +2,11 @@
 
     torchrun --nproc_per_node=2 tests/dist/arch_parity.py OUT.json
 
-Per family (tests/test_arch_parity.py lists them) a tiny model is built from its config by
-longsft's own ``build_model`` (seeded, so every rank and the reference hold the same weights), passes
-the start-up checks, and runs one sequence as training runs it: collated and sharded by
+Per family (tests/test_arch_parity.py lists them) the trainer's memory planner plans it on rank 0
+(``plan.choose``, as ``StageTrainer._memory_plan`` calls it: a model it cannot trace would stop
+training there), a tiny model is built from its config by longsft's own ``build_model`` (seeded, so
+every rank and the reference hold the same weights), passes the start-up checks, and runs one
+sequence as training runs it: collated and sharded by
 ``shard_batch``, attention through longsft's registry entry inside ``active()``. The summed
 cross-entropy and every parameter gradient (all-reduced over the two ranks) are compared with the
 same model in one process on the unsplit sequence (transformers' SDPA attention).
@@ -31,6 +33,17 @@ def loss_and_grads(model, batch):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def plan_note(config: dict, world: int, tokens: int) -> str:
+    """The planner's one-line choice for this family at ``tokens`` tokens, as the trainer asks for it."""
+    from longsft.train import plan
+    from longsft.train.config import load_config
+
+    run = load_config("tiny", [f"model.config={json.dumps(config)}", "model.path=null", "model.dtype=fp32",
+                               "model.gradient_checkpointing=false", f"parallel.sp_size={world}",
+                               f"stages=[{{name: a, bucket: '512', seq_len: {tokens}, max_steps: 1}}]"])
+    return plan.choose(run, run.stages[0], world, world, tokens).note
+
+
 def main(families_json: str, out_path: str) -> None:
     from longsft.train.config import ModelConfig
     from longsft.train.model.build import build_hf_config, build_model, check_attention_quirks
@@ -48,6 +61,7 @@ def main(families_json: str, out_path: str) -> None:
              "shift_labels": torch.cat([ids[:, 1:], torch.full((1, 1), -100)], 1),
              "attention_mask": torch.ones(1, n, dtype=torch.long)}
     for name, config in families.items():
+        note = plan_note(config, d.world_size, n) if d.rank == 0 else None
         cfg = ModelConfig(config=config, dtype="fp32", gradient_checkpointing=False)
         check_attention_quirks(build_hf_config(cfg), sp_size=2, packing=False)
         ref_loss, ref_grads = loss_and_grads(build_model(cfg, seed=1), whole)
@@ -62,7 +76,7 @@ def main(families_json: str, out_path: str) -> None:
                 torch.distributed.all_reduce(t)
             worst = max(rel(grads[k], ref_grads[k]) for k in ref_grads)
             results.append({"family": name, "backend": backend, "loss": rel(loss, ref_loss), "grad": worst,
-                            "params": sorted(grads) == sorted(ref_grads)})
+                            "params": sorted(grads) == sorted(ref_grads), "plan": note})
     if d.rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -37,6 +37,8 @@ def weights_source(path: str, gguf_file: str | None = None, key: str = "model.pa
     an absolute path (transformers would otherwise prefer a same-named file in the working directory).
     GGUF weights are dequantised on load (:func:`load_pretrained`).
     """
+    if path.startswith("~"):
+        path = os.path.expanduser(path)  # transformers would take "~/x" for a hub id
     if path.startswith(PACKAGE_PREFIX):
         import importlib.util
 

@@ -11,9 +11,10 @@ import torch
 from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import cache_dir, weights_source
+from longsft.train.common.model_files import reading_model
 from longsft.train.config import ModelConfig, keeps_attention
 from longsft.train.model.loss import attach_fused_loss, logit_softcap
-from longsft.train.model.layers import lean_layers, tile_mlps
+from longsft.train.model.layers import EXTENT, Extent, lean_layers, tile_mlps
 from longsft.train.model.tied_head import deferrable
 from longsft.train.parallel.attention import ATTN_NAME
 
@@ -57,13 +58,15 @@ def qwen_tokenizer():
 def load_pretrained(where: str, extra: dict[str, str], **kwargs):
     """``AutoModelForCausalLM.from_pretrained(where, **extra, **kwargs)``. A GGUF file (``extra``
     names it) is dequantised into a plain dense model: trainable, and saved as HF safetensors (no
-    GGUF blocks kept packed, whatever kernels are installed)."""
+    GGUF blocks kept packed, whatever kernels are installed). A file that cannot be read is a
+    ConfigError naming it (:func:`~longsft.train.common.model_files.reading_model`)."""
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    if not extra.get("gguf_file"):
-        return AutoModelForCausalLM.from_pretrained(where, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(where, **extra, **kwargs,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    with reading_model(where, extra):  # a cut-off or corrupt file: one line naming it, on every rank
+        if not extra.get("gguf_file"):
+            return AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(where, **extra, **kwargs,
+                                                     quantization_config=GgufConfig(dequantize=True))
     model.hf_quantizer = None  # the weights are dense tensors now: nothing is quantized
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -71,6 +74,8 @@ def load_pretrained(where: str, extra: dict[str, str], **kwargs):
 
 
 def build_tokenizer(cfg: ModelConfig):
+    """The tokenizer of ``model.tokenizer`` (else ``model.path``; ``qwen``: built offline), with a chat
+    template and a pad token; a file that cannot be read is a ConfigError naming it."""
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer or cfg.path
@@ -81,7 +86,8 @@ def build_tokenizer(cfg: ModelConfig):
     else:
         where, extra = weights_source(name, cfg.gguf_file if name == cfg.path else None,
                                       "model.path" if name == cfg.path else "model.tokenizer")
-        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code, **extra)
+        with reading_model(where, extra, "tokenizer"):
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code, **extra)
     if tok.chat_template is None:
         tok.chat_template = CHATML
     if tok.pad_token_id is None:
@@ -95,7 +101,8 @@ def build_hf_config(cfg: ModelConfig, init_from: str | None = None):
 
     if init_from or cfg.path:
         source, extra = (init_from, {}) if init_from else weights_source(cfg.path, cfg.gguf_file)
-        hf = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **extra)
+        with reading_model(source, extra, "config"):  # config.json or the GGUF header, named when broken
+            hf = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **extra)
     else:
         fields = dict(cfg.config)
         model_type = fields.pop("model_type", None)
@@ -148,8 +155,9 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lean_layers(model)  # before tiling: the tiles run the lean MLP
+    setattr(model, EXTENT, Extent())  # each micro-step's most tokens and targets of any rank (token_loss_sum)
     if cfg.mlp_tile_tokens:
-        tile_mlps(model, cfg.mlp_tile_tokens)
+        tile_mlps(model, cfg.mlp_tile_tokens, extent=getattr(model, EXTENT))
     if cfg.loss_kernel == "liger":
         attach_fused_loss(model)
     elif deferrable(model) and logit_softcap(model) is None and model.get_input_embeddings().weight.requires_grad:
