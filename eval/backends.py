@@ -114,6 +114,24 @@ class HFBackend:
     def generate(self, prompt: str) -> Generation:
         return self.chat(user(prompt))
 
+    def generate_many(self, prompts: list[str], budget: int) -> list[Generation]:
+        """Greedy replies to ``prompts`` (one user message each), generated together in left-padded batches
+        of at most ``budget`` tokens (:func:`~longsft.train.model.generate.generate_many`); each
+        reply's seconds are its batch's share."""
+        from longsft.train.model.generate import generate_many
+
+        ids = [self.encode_chat(user(p)) for p in prompts]
+        t0 = time.time()
+        outs = generate_many(self.model, ids, self.max_new_tokens, self.tok.pad_token_id, self.tok.eos_token_id,
+                             budget, self.device)
+        share = (time.time() - t0) / max(1, len(prompts))
+        with self._tok_lock:
+            texts = [self.tok.decode(o, skip_special_tokens=True) for o in outs]
+        eos = self.tok.eos_token_id if isinstance(self.tok.eos_token_id, list) else [self.tok.eos_token_id]
+        return [Generation(text, len(i), len(o), share,
+                           finish_reason="length" if len(o) >= self.max_new_tokens and (not o or o[-1] not in eos)
+                           else "stop") for text, i, o in zip(texts, ids, outs)]
+
 
 def vllm_engine_args(model_cfg, max_model_len: int = 0, tensor_parallel: int = 1) -> dict:
     """Keyword arguments of ``vllm.LLM`` for ``model_cfg``.

@@ -61,6 +61,9 @@ class EvalConfig:
     enable_thinking: bool = False
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     max_model_len: int = 0  # vllm: context window (0: the model's, after the recipe's rope scaling)
+    # hf: prompts generated together, left-padded, up to this many tokens (prompt + new) per batch; -1: 65536 on
+    # a GPU, one at a time on CPU; 0: one at a time (the same answers, up to a batched matmul's rounding)
+    batch_tokens: int = -1
     tensor_parallel: int = 1  # vllm: GPUs per model
     base_url: str | None = None  # openai: e.g. http://localhost:8000/v1
     api_key_env: str = "OPENAI_API_KEY"
@@ -117,6 +120,8 @@ def parse_eval_args(argv: list[str]) -> EvalConfig:
         raise ConfigError(f"tensor_parallel={cfg.tensor_parallel} must be >= 1 (GPUs per model)")
     if cfg.max_model_len < 0:
         raise ConfigError(f"max_model_len={cfg.max_model_len} must be >= 0 (0: the model's window)")
+    if cfg.batch_tokens < -1:
+        raise ConfigError(f"batch_tokens={cfg.batch_tokens} must be >= -1 (-1: 65536 on a GPU, one at a time on CPU)")
     for key in ("limit", "bootstrap"):
         if getattr(cfg, key) < 0:
             raise ConfigError(f"{key}={getattr(cfg, key)} must be >= 0")
@@ -243,6 +248,28 @@ def _generate(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, sid: str, pro
     return cache.latest(key)
 
 
+def _generate_batched(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, samples: list, r: int) -> None:
+    """Repeat ``r``'s missing answers generated together, in the HF backend's batches (``batch_tokens``),
+    into the cache the item loop then reads; nothing for other backends or one prompt at a time."""
+    if cfg.backend != "hf" or cfg.batch_tokens == 0:
+        return
+    missing = {}
+    for s in samples:
+        prompt = render_prompt(s, cfg.prompt)
+        key = generation_key(cfg, prompt, r)
+        if cache.get(key) is None and key not in missing:
+            missing[key] = (s.id, prompt)
+    if not missing:
+        return
+    hf = backend()
+    budget = cfg.batch_tokens if cfg.batch_tokens > 0 else (65536 if hf.device.type == "cuda" else 0)
+    if budget == 0:
+        return
+    for key, g in zip(missing, hf.generate_many([p for _, p in missing.values()], budget)):
+        cache.put({"key": key, "id": missing[key][0], "repeat": r, "prediction": g.text, "prompt_tokens": g.prompt_tokens,
+                   "gen_tokens": g.gen_tokens, "seconds": round(g.seconds, 3), "error": g.error})
+
+
 def run_eval(cfg: EvalConfig) -> dict:
     samples = load_samples(cfg.data)
     if cfg.limit:
@@ -286,6 +313,8 @@ def _run(cfg: EvalConfig, samples: list, cache: AppendCache) -> dict:
                dynamic_ncols=True)
     tokens, t0, per_repeat = 0, time.time(), []
     for r in range(cfg.repeats):
+        if rag is None:
+            _generate_batched(cfg, cache, backend, samples, r)
         rows = []
         for s in samples:
             if rag is None:

@@ -70,3 +70,24 @@ def test_lean_layers_run_no_autograd_function_without_a_graph():
         for fn in (layers.RMSNorm, layers.SiluMul):
             del fn.apply
     torch.testing.assert_close(got, want)
+
+
+def test_eval_batches_the_hf_backend_and_answers_as_one_at_a_time(tmp_path, capsys, tiny_model_dir, sample_dir):
+    """``longsft eval batch_tokens=N`` generates the items together (one generate call per batch) and
+    scores what one item at a time scores."""
+    import json
+
+    from conftest import run_cli
+
+    common = [f"model={tiny_model_dir('qwen3')}", "tokenizer=qwen", f"data={sample_dir / '512' / 'validation.jsonl'}",
+              "max_new_tokens=8", "bootstrap=0", "progress=false", "limit=5"]
+    for name, tokens in (("alone", 0), ("together", 100000)):
+        code, _, err = run_cli(capsys, "eval", *common, f"batch_tokens={tokens}", f"out={tmp_path / name}")
+        assert code == 0, err
+    rows = {n: [json.loads(x) for x in (tmp_path / n / "generations.jsonl").read_text().splitlines()]
+            for n in ("alone", "together")}
+    assert [r["prediction"] for r in rows["together"]] == [r["prediction"] for r in rows["alone"]]
+    assert [r["gen_tokens"] for r in rows["together"]] == [r["gen_tokens"] for r in rows["alone"]]
+    assert len({r["seconds"] for r in rows["together"]}) == 1  # one batch: each item its equal share of it
+    code, _, err = run_cli(capsys, "eval", *common, "batch_tokens=-2", f"out={tmp_path / 'bad'}")
+    assert code == 2 and "batch_tokens=-2 must be >= -1" in err
