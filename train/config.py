@@ -157,6 +157,10 @@ class ValidationConfig:
     # this many GB (each rank then decodes its own items, no collective per token); larger, or 0: on
     # the partitioned model, which gathers every layer's weights for every new token, ranks in step.
     whole_model_gb: float = 4.0
+    # Items generated together, left-padded, up to this many tokens (prompt + new) per batch: one generate
+    # call per batch. -1: the stage's seq_len on a GPU (a batch needs no more memory than one item of the
+    # stage's length, which the planner counts), one item at a time on CPU; 0: one at a time
+    batch_tokens: int = -1
 
 
 @dataclass
@@ -579,7 +583,7 @@ def validate(cfg: RunConfig) -> None:
         if not 0 <= beta < 1:
             raise ConfigError(f"optim.betas.{j}={beta} must be in [0, 1)")
     _bounds(cfg.validation, "validation.", every_steps=(0, None), max_samples=(0, None), max_new_tokens=(1, None),
-            whole_model_gb=(0, None))
+            whole_model_gb=(0, None), batch_tokens=(-1, None))
     _bounds(cfg.logging, "logging.", log_every=(1, None))
     _bounds(cfg.data, "data.", sample_size=(1, None))
     dup = {n for n in names if names.count(n) > 1}

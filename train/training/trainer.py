@@ -205,9 +205,10 @@ class StageTrainer:
 
     def _validate(self, step: int) -> None:
         v, t0 = self.cfg.validation, time.time()
+        batch = v.batch_tokens if v.batch_tokens >= 0 else (self.stage.seq_len if self.d.device.type == "cuda" else 0)
         metrics, rows = run_validation(self.engine, self.tok, self.val, self.d, v.max_new_tokens, v.invalid_policy,
                                        v.loss, self.pad_id, self.cfg.model.loss_chunk_tokens,
-                                       self.cfg.model.attn_implementation, v.whole_model_gb)
+                                       self.cfg.model.attn_implementation, v.whole_model_gb, batch)
         metrics.update(kind="val", stage=self.stage.name, step=step, seconds=time.time() - t0)
         if self.d.is_main:
             write_jsonl(self.dir / "val" / f"step_{step:07d}.jsonl", rows)

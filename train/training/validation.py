@@ -15,14 +15,15 @@ import contextlib
 import copy
 import math
 
-import numpy as np
 import torch
 
 from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.compat import full_shape
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import Encoded
+from longsft.train.model.generate import batches, generate_many
 from longsft.train.model.loss import token_loss_sum
+from longsft.train.parallel import comm
 from longsft.train.parallel.comm import all_gather_objects, all_reduce
 from longsft.train.parallel.distributed import Dist
 
@@ -96,20 +97,24 @@ def generation_model(engine, attn: str, whole_model_gb: float, device: torch.dev
 
 @torch.no_grad()
 def generate_judgements(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int,
-                        attn: str = "sdpa", whole_model_gb: float = 0.0) -> list[dict]:
-    """Greedy judgements for ``items``; returns rows in ``longsft score`` format, on every rank."""
-    rows = []
+                        attn: str = "sdpa", whole_model_gb: float = 0.0, batch_tokens: int = 0) -> list[dict]:
+    """Greedy judgements for ``items``; returns rows in ``longsft score`` format, on every rank.
+    ``batch_tokens`` > 0: this rank's items generated together in left-padded batches of that many tokens
+    (:func:`~longsft.train.model.generate.generate_many`; ranks in step make as many calls as the rank
+    with the most batches)."""
     with generation_model(engine, attn, whole_model_gb, d.device) as (model, synced):
-        for i, real in _shard(items, d, padded=synced):
-            e = items[i]
-            ids = torch.from_numpy(np.asarray(e.input_ids[: e.prompt_len], dtype=np.int64))[None].to(d.device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, use_cache=True, synced_gpus=synced and d.world_size > 1,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-            if real:
-                s, text = e.meta, tokenizer.decode(out[0, e.prompt_len:], skip_special_tokens=True)
-                rows.append({"id": s.id, "prediction": text, "gold_score": s.gold_score, "bucket": s.bucket,
-                             "language": s.language, "types": list(s.types)})
+        mine = _shard(items, d, padded=synced)
+        prompts = [[int(t) for t in items[i].input_ids[: items[i].prompt_len]] for i, _ in mine]
+        synced = synced and d.world_size > 1
+        calls = len(batches([len(p) for p in prompts], batch_tokens, max_new_tokens))
+        outs = generate_many(model, prompts, max_new_tokens, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                             batch_tokens, d.device, synced, comm.max_over_ranks(calls) if synced else 0)
+    rows = []
+    for (i, real), new in zip(mine, outs):
+        if real:
+            s, text = items[i].meta, tokenizer.decode(new, skip_special_tokens=True)
+            rows.append({"id": s.id, "prediction": text, "gold_score": s.gold_score, "bucket": s.bucket,
+                         "language": s.language, "types": list(s.types)})
     gathered = [r for part in all_gather_objects(rows) for r in part]
     return sorted(gathered, key=lambda r: r["id"])
 
@@ -131,9 +136,9 @@ def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int, chunk_to
 
 def run_validation(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int, policy: str,
                    with_loss: bool, pad_id: int, chunk_tokens: int = 0, attn: str = "sdpa",
-                   whole_model_gb: float = 0.0) -> tuple[dict, list[dict]]:
+                   whole_model_gb: float = 0.0, batch_tokens: int = 0) -> tuple[dict, list[dict]]:
     """Judgements -> shared scorer metrics (+ validation loss). Identical result on every rank."""
-    rows = generate_judgements(engine, tokenizer, items, d, max_new_tokens, attn, whole_model_gb)
+    rows = generate_judgements(engine, tokenizer, items, d, max_new_tokens, attn, whole_model_gb, batch_tokens)
     scored = [Item(id=r["id"], prediction=r["prediction"], gold_score=r["gold_score"], bucket=r["bucket"],
                    language=r["language"], gold_types=tuple(r["types"])) for r in rows]
     result = score_items(scored, policy)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# bench/learn.py on the GPU machine: the real model (SmolLM2-135M-Instruct) learns the task (issue 34).
+# First bring the model and the wheels there with bench/gpu_carry.sh (two calls), then, on the same warm
+# machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
+# Every phase of learn.py resumes: a run cut off by the time limit goes on where it stopped when run again.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEST=/tmp/longsft_carry
+MODEL=$DEST/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f "$MODEL" ] || { echo "no model at $MODEL: run bench/gpu_carry.sh receive first (see its header)" >&2; exit 2; }
+site=$(mktemp -d)
+mkdir -p "$site/longsft"
+for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/longsft/$pkg"; done
+export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
+python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"
+rc=$?
+if [ -n "${OUT:-}" ]; then cp bench/results/learn_gpu.json /tmp/longsft_learn_gpu/report.md "$OUT"/ 2>/dev/null || true; fi
+exit $rc
