@@ -2,6 +2,7 @@
 # bench/learn.py on the GPU machine: the real model (SmolLM2-135M-Instruct) learns the task (issue 34).
 # First bring the model and the wheels there with bench/gpu_carry.sh (two calls), then, on the same warm
 # machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
+#            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json)
 # Every phase of learn.py resumes: a run cut off by the time limit goes on where it stopped when run again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +13,13 @@ site=$(mktemp -d)
 mkdir -p "$site/longsft"
 for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/longsft/$pkg"; done
 export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
+if [ "${1:-}" = table5 ]; then
+  shift
+  python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "$@"
+  rc=$?
+  if [ -n "${OUT:-}" ]; then cp bench/results/table5_mini.json /tmp/longsft_table5_gpu/table5.md "$OUT"/ 2>/dev/null || true; fi
+  exit $rc
+fi
 python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"
 rc=$?
 if [ -n "${OUT:-}" ]; then cp bench/results/learn_gpu.json /tmp/longsft_learn_gpu/report.md "$OUT"/ 2>/dev/null || true; fi

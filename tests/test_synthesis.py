@@ -138,3 +138,24 @@ def test_mma_needs_two_judges(tmp_path):
                         str(tmp_path / "o.jsonl"), "--generator", "g@http://h:1/v1", "--judge", "j@http://h:1/v1",
                         "--arbiter", "a@http://h:1/v1"], capture_output=True, text=True)
     assert r.returncode == 2 and "needs exactly two judges, got 1" in r.stderr
+
+
+def test_mma_takes_a_prose_summary_as_the_summary(tmp_path):
+    """A generator that answers in prose (a small model) gives its text as the summary; a JSON answer its
+    "summary"; an empty one is re-asked and then dropped; answers are cached."""
+    from types import SimpleNamespace
+
+    from longsft.train.common.cache import AppendCache
+    from longsft.train.common.llm import LLMError
+    from longsft.train.datagen.mma import ask_summary
+
+    replies = iter(["  The knight rides north. ", '{"summary": "He rides."}', "", " "])
+    asked = []
+    gen = SimpleNamespace(model="m", base_url="http://x/v1",
+                          chat=lambda messages: asked.append(messages) or SimpleNamespace(text=next(replies)))
+    cache = AppendCache(str(tmp_path / "c.jsonl"))
+    assert ask_summary(gen, "p1", 1, cache).strip() == "The knight rides north."
+    assert ask_summary(gen, "p2", 1, cache) == "He rides."
+    with pytest.raises(LLMError, match="empty summary after 2 tries"):
+        ask_summary(gen, "p3", 1, cache)
+    assert ask_summary(gen, "p1", 1, cache).strip() == "The knight rides north." and len(asked) == 4  # cached

@@ -43,6 +43,7 @@ import argparse
 import os
 import sys
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 from longsft.train.common.errors import (ConfigError, DataError, is_same_on_every_rank, is_this_rank_only,
@@ -138,6 +139,7 @@ def _data(argv: list[str]) -> int:
     m.add_argument("--judge", action="append", required=True, help="MODEL@URL (exactly twice)")
     m.add_argument("--arbiter", required=True, help="MODEL@URL")
     m.add_argument("--max-gap", type=int, default=1, help="judges agree within this many points (same label)")
+    m.add_argument("--max-tokens", type=int, default=1024, help="the most tokens of each model's reply")
     args = ap.parse_args(argv)
     if args.cmd in ("erhg", "mma"):
         return _synthesise(args)
@@ -203,7 +205,10 @@ def _synthesise(args) -> int:
             raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
         if args.max_gap < 0:
             raise ConfigError(f"--max-gap {args.max_gap}: must be >= 0")
-        eps = [endpoint(g) for g in args.generator], [endpoint(j) for j in args.judge], endpoint(args.arbiter)
+        if args.max_tokens < 1:
+            raise ConfigError(f"--max-tokens {args.max_tokens}: must be >= 1")
+        sized = lambda spec: replace(endpoint(spec), max_tokens=args.max_tokens)  # noqa: E731
+        eps = [sized(g) for g in args.generator], [sized(j) for j in args.judge], sized(args.arbiter)
     else:
         if not 0 <= args.multi <= 1:
             raise ConfigError(f"--multi {args.multi}: a share, 0..1")

@@ -37,6 +37,7 @@ class Endpoint:
     temperature: float = 0.0
     timeout_s: float = 300.0
     retries: int = 2
+    max_tokens: int = 1024  # the most tokens a reply may have (a request's max_tokens)
 
     @classmethod
     def parse(cls, spec: str) -> "Endpoint":
@@ -48,8 +49,10 @@ class Endpoint:
     def __str__(self) -> str:
         return f"{self.model}@{self.base_url}"
 
-    def chat(self, messages: list[dict], max_tokens: int = 1024) -> "Reply":
-        """One chat completion (after the SDK's retries), or :class:`EndpointError`."""
+    def chat(self, messages: list[dict], max_tokens: int | None = None) -> "Reply":
+        """One chat completion (after the SDK's retries), or :class:`EndpointError`. ``max_tokens``: the
+        endpoint's own by default."""
+        max_tokens = max_tokens or self.max_tokens
         import openai
 
         call = _Call(str(self), self.retries)

