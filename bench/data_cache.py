@@ -140,7 +140,7 @@ def worker(out: Path, start_step: int) -> None:
     """One rank of a launch: the curriculum's start (tokenizer, every stage cached), then the trainer's
     data phase and the batch of ``start_step``; writes its timings and memory to ``out``."""
     launched = float(os.environ["BENCH_LAUNCHED"])
-    from longsft.train.config import parse_run_args
+    from longsft.train.config.recipes import parse_run_args
     from longsft.train.data.token_cache import ensure_all
     from longsft.train.model.build import build_tokenizer
     from longsft.train.parallel import distributed
@@ -247,7 +247,7 @@ def main() -> None:
         cache = next(p for p in (tmp / "cache").iterdir() if not p.name.startswith("."))
         manifest = json.loads((cache / "manifest.json").read_text())
         formats = arrow_vs_memmap(cache)
-        from longsft.train.config import parse_run_args
+        from longsft.train.config.recipes import parse_run_args
 
         cfg = parse_run_args(run_args)
         planned, _ = host_bytes(cfg, cfg.stages[0])

@@ -110,7 +110,7 @@ def check_liger_zero_rows(device: str) -> dict:
 
 
 def check_last_hidden_state(device: str) -> dict:
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.model import loss as L
     from longsft.train.model.build import build_model
     from longsft.train.parallel.distributed import Dist, ParallelDims

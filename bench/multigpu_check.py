@@ -103,7 +103,7 @@ def worker(a) -> None:
     profiled ring step and the validation round."""
     import torch
 
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.parallel import comm, distributed
     from longsft.train.parallel.attention import setup
 
@@ -155,10 +155,11 @@ def validation_round(a, d) -> dict:
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_hf_config, build_model
-    from longsft.train.training.engine import build_ds_config, build_engine
+    from longsft.train.config.deepspeed import build_ds_config
+    from longsft.train.training.engine import build_engine
     from longsft.train.training.validation import generate_judgements
 
     keys = [f"stages.0.seq_len={a.val_seq}", f"parallel.sp_size={d.dims.sp_size}", "deepspeed.torch_adam=true"]
@@ -199,7 +200,7 @@ def validation_round(a, d) -> dict:
 
 def _shipped_config(recipe: str) -> str:
     """The inline model config (YAML flow mapping) of ``recipe``'s model from recipes/models/."""
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
 
     name = load_config(recipe, []).model.path.rsplit("/", 1)[-1]
     return json.dumps(json.loads((ROOT / "recipes" / "models" / f"{name}.json").read_text()))

@@ -40,8 +40,9 @@ def zero3_engine(cfg, total_steps: int, world_size: int = 1):
     builds it (``parallel.sp_size``'s attention; the HF config object kept alive with the engine)."""
     from transformers.integrations import HfDeepSpeedConfig
 
+    from longsft.train.config.deepspeed import build_ds_config
     from longsft.train.model.build import build_hf_config, build_model
-    from longsft.train.training.engine import build_ds_config, build_engine
+    from longsft.train.training.engine import build_engine
 
     ds = build_ds_config(cfg, cfg.stages[0], world_size, build_hf_config(cfg.model).hidden_size)
     made = choices(cfg, world_size)
@@ -54,21 +55,21 @@ def zero3_engine(cfg, total_steps: int, world_size: int = 1):
 
 
 def choices(cfg, world_size: int = 1, answer: int = ANSWER):
-    """The trainer's per-stage choices (``plan.choose``, made on rank 0) for ``cfg``'s first stage."""
-    from longsft.train import plan
+    """The trainer's per-stage choices (``choose``, made on rank 0) for ``cfg``'s first stage."""
     from longsft.train.parallel import comm
+    from longsft.train.plan.choose import choose
 
-    made = plan.choose(cfg, cfg.stages[0], world_size, world_size, answer) if comm.rank() == 0 else None
+    made = choose(cfg, cfg.stages[0], world_size, world_size, answer) if comm.rank() == 0 else None
     return comm.broadcast_object(made)
 
 
 def step(engine, cfg, batch) -> tuple[float, int]:
     """One optimizer step (grad_accum 1) exactly as the trainer takes it; returns this rank's (loss sum,
     targets). On several ranks the batch is one sequence split over them (an SP group, dp = 1)."""
+    from longsft.train.config.schema import keeps_attention
     from longsft.train.model.loss import backward_scale, token_loss_sum
     from longsft.train.parallel import comm
     from longsft.train.parallel.attention import active
-    from longsft.train.config import keeps_attention
 
     m = engine.longsft_model_cfg  # as zero3_engine resolved it
     with active(keep_attention=keeps_attention(m, cfg.parallel.sp_size, cfg.data.packing)):
@@ -82,7 +83,9 @@ def step(engine, cfg, batch) -> tuple[float, int]:
 def planned(cfg, answer: int = ANSWER, cuda: bool = True):
     """(model shape, ``longsft plan``'s estimate of ``cfg``'s first stage on one GPU; compare its
     ``allocated`` (the total without margins) with ``max_memory_allocated``; ``cuda=False``: the CPU terms)."""
-    from longsft.train import plan
+    from longsft.train.plan.cost import estimate
+    from longsft.train.plan.hardware import Hardware
+    from longsft.train.plan.trace import model_shape
 
-    shape = plan.model_shape(cfg)
-    return shape, plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(gpus_per_node=1, cuda=cuda), targets=answer)
+    shape = model_shape(cfg)
+    return shape, estimate(cfg, cfg.stages[0], shape, Hardware(gpus_per_node=1, cuda=cuda), targets=answer)

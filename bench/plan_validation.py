@@ -39,7 +39,7 @@ def _status_kib(key: str) -> int:
 
 
 def worker(seq: int, out: str, overrides: list[str]) -> None:
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.parallel import distributed
 
     cfg = load_config("tiny", [*overrides, f"stages.0.seq_len={seq}"])
@@ -56,7 +56,7 @@ def worker(seq: int, out: str, overrides: list[str]) -> None:
 
 
 def predict(overrides: list[str], seq: int) -> dict:
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
 
     cfg = load_config("tiny", [*overrides, f"stages.0.seq_len={seq}"])
     shape, est = onestep.planned(cfg, cuda=False)

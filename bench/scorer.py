@@ -24,7 +24,7 @@ TEMPLATES = ['{{"score": {s}, "reason": "ok"}}', '<think>hmm</think>```json\n{{"
 def main() -> None:
     from machine import write_result
 
-    from longsft.eval.scoring.metrics import Item, score_items
+    from longsft.train.scoring.metrics import Item, score_items
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=100_000)

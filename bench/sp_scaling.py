@@ -33,7 +33,7 @@ def _rss_kib() -> int:
 def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     import torch
 
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_model
     from longsft.train.model.loss import token_loss_sum

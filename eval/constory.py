@@ -56,10 +56,17 @@ from typing import Literal
 from longsft.eval.harness import EvalConfig, OutputDir, _Lazy, check_model, make_backend, model_name
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import (atomic_write_json, atomic_write_text, check_input_file, iter_jsonl, read_json,
-                                     write_jsonl)
+from longsft.train.common.io import (
+    atomic_write_json,
+    atomic_write_text,
+    check_input_file,
+    iter_jsonl,
+    read_json,
+    write_jsonl,
+)
 from longsft.train.common.llm import answer_key, reask_json
-from longsft.train.config import config_help, from_args
+from longsft.train.config.help import config_help
+from longsft.train.config.loader import from_args
 
 # Five categories, 19 subtypes (our reading of the paper's taxonomy).
 TAXONOMY = {

@@ -34,16 +34,26 @@ from typing import Literal
 
 from longsft.eval.backends import HFBackend, OpenAIBackend, VLLMBackend
 from longsft.eval.rag import combine, make_embedder, plan
-from longsft.eval.scoring.judgement import parse_judgement
-from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.common.io import PACKAGE_PREFIX, atomic_write_json, check_input_file, read_json, safe_name, write_jsonl
-from longsft.train.common.model_files import check_model_source
+from longsft.train.common.io import (
+    PACKAGE_PREFIX,
+    atomic_write_json,
+    check_input_file,
+    read_json,
+    safe_name,
+    write_jsonl,
+)
 from longsft.train.common.llm import answer_key
-from longsft.train.config import ModelConfig, config_help, from_args, load_config, to_dict
+from longsft.train.common.model_files import check_model_source
+from longsft.train.config.help import config_help
+from longsft.train.config.loader import from_args, to_dict
+from longsft.train.config.recipes import load_config
+from longsft.train.config.schema import ModelConfig
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import load_samples
+from longsft.train.scoring.judgement import parse_judgement
+from longsft.train.scoring.metrics import Item, score_items
 
 
 @dataclass

@@ -12,12 +12,12 @@ import csv
 import json
 from pathlib import Path
 
-from longsft.eval.scoring.bootstrap import paired_bootstrap
-from longsft.eval.scoring.judgement import TYPES
-from longsft.eval.scoring.metrics import bucket_order, labels
-from longsft.eval.scoring.score import load_predictions
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import atomic_write_text
+from longsft.train.scoring.bootstrap import paired_bootstrap
+from longsft.train.scoring.judgement import TYPES
+from longsft.train.scoring.metrics import bucket_order, labels
+from longsft.train.scoring.score import load_predictions
 
 
 def find_eval_runs(dirs: list[str | Path]) -> list[Path]:

@@ -49,7 +49,8 @@ from typing import Any, Literal
 from longsft.eval.backends import HFBackend
 from longsft.eval.harness import EvalConfig, check_model, model_config
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import config_help, from_args
+from longsft.train.config.help import config_help
+from longsft.train.config.loader import from_args
 
 API_KEY_ENV = "LONGSFT_API_KEY"
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

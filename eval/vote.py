@@ -19,12 +19,12 @@ import statistics
 from pathlib import Path
 
 from longsft.eval.harness import score_repeats
-from longsft.eval.scoring.judgement import parse_judgement
-from longsft.eval.scoring.metrics import gold_label, predicted_label
-from longsft.eval.scoring.score import load_predictions
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.helpfmt import DefaultsHelp
 from longsft.train.common.io import atomic_write_json, check_output_dir, read_json, safe_name
+from longsft.train.scoring.judgement import parse_judgement
+from longsft.train.scoring.metrics import gold_label, predicted_label
+from longsft.train.scoring.score import load_predictions
 
 
 def _member(run: Path) -> tuple[dict, list[dict[str, object]]]:

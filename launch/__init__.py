@@ -1,1 +1,0 @@
-"""Launch scripts: ``curriculum.py`` (torchrun entry point) and ``slurm/`` (sbatch scripts)."""

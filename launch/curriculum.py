@@ -9,7 +9,7 @@ A bad key, value or data file exits with status 2 and a message naming it, befor
 
 import sys
 
-from longsft.train.cli import main
+from longsft.launch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

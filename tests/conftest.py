@@ -45,7 +45,7 @@ def skip_or_fail(what: str, why: str | None) -> None:
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """``longsft ARGV`` in this process: (exit status, stdout, stderr); a traceback fails the test."""
-    from longsft.train.cli import main
+    from longsft.launch.cli import main
 
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from longsft.train.cluster.sweep import check_sweep
+from longsft.launch.cluster.sweep import check_sweep
 from longsft.train.common.errors import DataError
 from longsft.train.datagen.ablation import build_ablation, parse_sizes
 
@@ -102,7 +102,7 @@ def test_too_few_articles_and_bad_sizes(inputs, tmp_path):
 
 
 def test_cli(inputs, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "data", "ablation", str(inputs), "--out",
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "data", "ablation", str(inputs), "--out",
                         str(tmp_path / "o"), "--sizes", "10,all", "--val-articles", "2", "--test-articles", "2"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,8 @@ import yaml
 from conftest import ROOT, TEST_OVERRIDES, torchrun
 
 from longsft.train.common.errors import ConfigError, DataError
-from longsft.train.config import load_config, validate
+from longsft.train.config.checks import validate
+from longsft.train.config.recipes import load_config
 from longsft.train.data.schema import load_samples
 from longsft.train.parallel.distributed import Dist, ParallelDims, cpu_threads
 from longsft.train.training.checkpoint import MANIFEST, load_resume
@@ -112,7 +113,7 @@ def test_stage_data_too_small_fails_before_training(tmp_path, n_train, val_words
 
 
 def test_config_get_of_an_unknown_key(capsys):
-    from longsft.train.cli import main
+    from longsft.launch.cli import main
 
     assert main(["config", "--get", "optim.lrr", "recipe=tiny"]) == 2
     assert "--get optim.lrr: no key 'lrr'" in capsys.readouterr().err
@@ -132,7 +133,7 @@ def test_cross_field_stage_names_and_model():
     ('{"id": 1, "prediction": "x", "gold_score": 7}', "pred.jsonl:1: gold_score must be an integer 0..5, got 7"),
 ])
 def test_predictions_to_score(tmp_path, line, message):
-    from longsft.eval.scoring.score import load_predictions
+    from longsft.train.scoring.score import load_predictions
 
     (tmp_path / "pred.jsonl").write_text(line + "\n")
     with pytest.raises(DataError) as e:
@@ -150,7 +151,7 @@ def test_report_of_a_folder_without_runs(tmp_path):
 @pytest.mark.parametrize("path, message", [("/nope/model", "model.path=/nope/model: not found"),
                                            ("{empty}", "empty: cannot read the model's config")])
 def test_model_path_that_is_not_a_model(tmp_path, capsys, path, message):
-    from longsft.train.cli import main
+    from longsft.launch.cli import main
 
     (tmp_path / "empty").mkdir()
     path = path.format(empty=tmp_path / "empty")
@@ -231,7 +232,7 @@ def test_run_dir_that_is_someone_elses_folder_is_left_alone(tmp_path, capsys):
 
 def _fake_run(run_dir, cfg_overrides=(), trained=False):
     """A run directory as a run leaves it: config.yaml, state.json (and a best model if ``trained``)."""
-    from longsft.train.config import dump_yaml
+    from longsft.train.config.loader import dump_yaml
 
     run_dir.mkdir(parents=True)
     cfg = load_config("tiny", [f"run_dir={run_dir}", *cfg_overrides])
@@ -296,7 +297,7 @@ def test_a_finished_curriculum_returns_at_once(tmp_path):
     assert finished(load_config("tiny", [f"run_dir={run}", "optim.lr=1e-4"])) is None  # refused by the curriculum
     assert finished(load_config("tiny", [f"run_dir={run}", "model.keep_attention=false"])) is None  # resumed there
     before = snapshot(run)
-    code = ("import sys; from longsft.train.cli import main; rc = main(['train', 'recipe=tiny', 'run_dir=' + "
+    code = ("import sys; from longsft.launch.cli import main; rc = main(['train', 'recipe=tiny', 'run_dir=' + "
             "sys.argv[1]]); assert 'torch' not in sys.modules; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.count("done, skipping") == len(cfg.stages), r.stderr

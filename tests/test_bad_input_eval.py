@@ -171,7 +171,7 @@ def test_an_older_eval_folder_resumes_with_its_own_settings_only(data, tmp_path,
     """A config.json from before identities were recorded: compared with the settings as given."""
     from longsft.eval.harness import check_out_dir, parse_eval_args
     from longsft.train.common.errors import ConfigError
-    from longsft.train.config import to_dict
+    from longsft.train.config.loader import to_dict
 
     monkeypatch.chdir(tmp_path)
     args = ["model=runs/A/stages/s1/best", "data=d.jsonl", "out=o"]

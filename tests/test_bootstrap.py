@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
 
-from longsft.eval.scoring.bootstrap import bootstrap_ci, from_counts, paired_bootstrap, replicate_counts
+from longsft.train.scoring.bootstrap import bootstrap_ci, from_counts, paired_bootstrap, replicate_counts
 
 
 def _data(n=600, seed=1, acc=0.75):
@@ -84,7 +84,7 @@ def test_replicate_counts_follow_the_index_resampling_distribution():
 
 def test_intervals_are_the_stated_percentiles_of_the_replicates():
     """The labelled level is the level: 95% is the 2.5th and 97.5th percentile of these replicates, exactly."""
-    from longsft.eval.scoring.bootstrap import _replicates
+    from longsft.train.scoring.bootstrap import _replicates
 
     t, p = _data(acc=0.7)
     (reps,) = _replicates(t, [p], 4000, seed=1)

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import load_config, parse_override, shipped_recipes, validate
+from longsft.train.config.checks import validate
+from longsft.train.config.loader import parse_override
+from longsft.train.config.recipes import load_config, shipped_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
 

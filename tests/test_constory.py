@@ -110,13 +110,13 @@ def test_cli_check_and_metrics_end_to_end(server, tmp_path):
         {"id": "p2", "language": "zh", "task_type": "continuation", "model_name": "m1",
          "generated_story": story_zh()})))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "constory", "check", f"stories={stories}",
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "constory", "check", f"stories={stories}",
                         "judge=constory-judge", "backend=openai", f"base_url={server.url}", f"out={out}"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "| m1 | 2 | 3 |" in r.stdout
     assert (out / "error_positions.png").read_bytes()[:4] == b"\x89PNG"
-    again = subprocess.run([sys.executable, "-m", "longsft.train.cli", "constory", "metrics", f"reports={out}",
+    again = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "constory", "metrics", f"reports={out}",
                             f"out={tmp_path / 'm'}"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "| m1 | 2 | 3 |" in again.stdout
 
@@ -125,7 +125,7 @@ def test_generate_is_cached_and_resumable(tiny_model_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "language": "en", "task_type": "generation",
                                            "prompt": f"Write a story about a lighthouse {i}."}) + "\n" for i in range(2)))
-    cmd = [sys.executable, "-m", "longsft.train.cli", "constory", "generate", f"prompts={prompts}",
+    cmd = [sys.executable, "-m", "longsft.launch.cli", "constory", "generate", f"prompts={prompts}",
            f"model={tiny_model_dir('qwen3')}", "tokenizer=qwen", "max_new_tokens=16", "target_words=500",
            f"out={tmp_path / 'gen'}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -56,7 +56,7 @@ def test_run_directory_layout(finished_run):
     # validation predictions are in `longsft score` format and score to the recorded metrics
     preds = sorted((run_dir / "stages" / "b" / "val").glob("step_*.jsonl"))
     assert len(preds) == 2
-    out = subprocess.run([sys.executable, "-m", "longsft.train.cli", "score", str(preds[-1]), "--out",
+    out = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "score", str(preds[-1]), "--out",
                           str(run_dir / "rescored.json")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     rescored = json.loads((run_dir / "rescored.json").read_text())

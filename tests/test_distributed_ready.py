@@ -62,8 +62,8 @@ def test_another_rank_says_its_own_error(capsys, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("key", ["sequence_parallel_size", "data_parallel_size"])
 def test_deepspeed_json_may_not_set_parallel_sizes(tmp_path, key):
-    from longsft.train.config import load_config
-    from longsft.train.training.engine import build_ds_config
+    from longsft.train.config.deepspeed import build_ds_config
+    from longsft.train.config.recipes import load_config
 
     ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
     ds[key] = 2
@@ -77,7 +77,7 @@ def test_deepspeed_json_may_not_set_parallel_sizes(tmp_path, key):
 def test_one_collective_per_micro_step_decides_tiles_and_chunks(monkeypatch):
     """token_loss_sum asks the ranks once for the most tokens and targets; the tiled MLPs (forward and the
     checkpoints' recompute) and the loss chunks read that, and the step equals the untiled one."""
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.model.build import build_model
     from longsft.train.model.layers import EXTENT
     from longsft.train.model.loss import token_loss_sum

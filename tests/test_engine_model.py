@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import ModelConfig, load_config
+from longsft.train.config.deepspeed import build_ds_config
+from longsft.train.config.recipes import load_config
+from longsft.train.config.schema import ModelConfig
 from longsft.train.model.build import build_hf_config, check_attention_routable
-from longsft.train.training.engine import build_ds_config, lr_lambda
+from longsft.train.training.engine import lr_lambda
 from longsft.train.training.validation import is_better
 
 

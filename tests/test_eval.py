@@ -11,13 +11,13 @@ import pytest
 from conftest import ROOT, free_port
 
 from longsft.eval.harness import EvalConfig, model_config, parse_eval_args
-from longsft.eval.scoring.bootstrap import bootstrap_ci
-from longsft.eval.scoring.metrics import labels
-from longsft.eval.scoring.score import load_predictions
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import load_config
+from longsft.train.config.recipes import load_config
+from longsft.train.scoring.bootstrap import bootstrap_ci
+from longsft.train.scoring.metrics import labels
+from longsft.train.scoring.score import load_predictions
 
-CLI = [sys.executable, "-m", "longsft.train.cli"]
+CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
 
 

@@ -142,7 +142,7 @@ def test_bad_bucket_specs(spec, message):
 
 
 def test_cli_prints_the_bucket_table(units_file, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "data", "extend", str(units_file), "--out",
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "data", "extend", str(units_file), "--out",
                         str(tmp_path / "o"), "--buckets", BUCKETS], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "| a | 5000–9000 |" in r.stdout and (tmp_path / "o" / "stats.json").exists()

@@ -23,7 +23,7 @@ def test_left_padding_and_end_of_answer():
 
 
 def _tiny_model():
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
     from longsft.train.model.build import build_model
 
     model = build_model(load_config("tiny", ["model.config.vocab_size=512", "model.config.num_hidden_layers=2"]).model,

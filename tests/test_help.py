@@ -5,7 +5,7 @@ import re
 import pytest
 from conftest import run_cli
 
-from longsft.train import cli
+from longsft.launch import cli
 
 # command -> what its help must show: a key=value default, or an option's "(default: ...)"
 HELP = {

@@ -135,7 +135,7 @@ def test_no_dense_tied_head_gradient_while_the_layers_run_backward():
 
     from longsft.train.common.compat import storage_id
     from longsft.train.model.loss import attach_fused_loss
-    from longsft.train.plan import _LiveBytes
+    from longsft.train.plan.trace import _LiveBytes
 
     V, H = 20000, 256  # 23 target rows: their dlogits (kept, 23 / 256 of [V, H]) wait instead of [V, H]
     cfg = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -169,7 +169,8 @@ def test_no_dense_tied_head_gradient_while_the_layers_run_backward():
 
 def test_negative_chunk_is_refused():
     from longsft.train.common.errors import ConfigError
-    from longsft.train.config import load_config, validate
+    from longsft.train.config.checks import validate
+    from longsft.train.config.recipes import load_config
 
     with pytest.raises(ConfigError, match="model.loss_chunk_tokens=-1 must be >= 0"):
         validate(load_config("tiny", ["model.loss_chunk_tokens=-1"]))
@@ -179,7 +180,7 @@ def test_negative_chunk_is_refused():
 def test_tiled_mlp_equals_the_whole_sequence(tiny_model_dir, sample_dir, tokenizer, arch):
     import dataclasses
 
-    from longsft.train.config import ModelConfig
+    from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_model
 
     base = ModelConfig(path=str(tiny_model_dir(arch)), tokenizer="qwen", dtype="fp32")
@@ -259,7 +260,8 @@ def test_silu_mul_backward_in_pieces_equals_autograd():
 @pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel is installed")
 def test_liger_without_the_package_is_refused_with_the_fix():
     from longsft.train.common.errors import ConfigError
-    from longsft.train.config import load_config, validate
+    from longsft.train.config.checks import validate
+    from longsft.train.config.recipes import load_config
 
     with pytest.raises(ConfigError, match="model.loss_kernel=liger needs the liger-kernel package"):
         validate(load_config("tiny", ["model.loss_kernel=liger"]))
@@ -275,7 +277,7 @@ def test_the_loss_keeps_no_layer_output_alive(tiny_model_dir, sample_dir, tokeni
     """
     import weakref
 
-    from longsft.train.config import ModelConfig
+    from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_model
 
     model = build_model(ModelConfig(path=str(tiny_model_dir("qwen3")), tokenizer="qwen", dtype="fp32"))
@@ -319,7 +321,7 @@ def test_liger_without_targets_gives_zero_not_a_division_by_zero(liger_cpu, tiny
     """Under SP the answer sits on one rank; the others call the fused loss with no rows."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-    from longsft.train.config import ModelConfig
+    from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_model
     from longsft.train.model.loss import fused_head_loss
 
@@ -337,7 +339,7 @@ def test_liger_without_targets_gives_zero_not_a_division_by_zero(liger_cpu, tiny
 
 @pytest.mark.parametrize("arch, tied", [("qwen3", True), ("llama", False)])
 def test_liger_equals_the_naive_path(liger_cpu, tiny_model_dir, sample_dir, tokenizer, arch, tied):
-    from longsft.train.config import ModelConfig
+    from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_model
 
     model = build_model(ModelConfig(path=str(tiny_model_dir(arch, tied)), tokenizer="qwen", dtype="fp32",

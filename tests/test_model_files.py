@@ -18,7 +18,8 @@ from conftest import ROOT, run_cli, skip_or_fail
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.model_files import check_model_source, gguf_problem, reading_model
-from longsft.train.config import ModelConfig, load_config
+from longsft.train.config.recipes import load_config
+from longsft.train.config.schema import ModelConfig
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SAMPLE = {"id": "a", "language": "en", "article": "Tom went home.", "summary": "Tom left.", "gold_score": 5}
@@ -116,13 +117,13 @@ def test_the_eval_backend_names_a_shard_cut_after_its_check(model_dir, tmp_path)
 def test_a_cut_off_gguf_file_is_named_by_plan_train_eval_and_serve(gguf_cut, tmp_path, where):
     from longsft.eval.harness import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
-    from longsft.train import plan
+    from longsft.train.plan.trace import model_shape
     from longsft.train.training.curriculum import check_model
 
     path = gguf_cut(where)
     said = (f"{path}: not a complete GGUF file (" + ("cut off in its metadata" if where == "after_header" else
                                                     "its tensors end at byte"))
-    for call in (lambda: plan.model_shape(train_cfg(path, tmp_path)),  # was: struct.error / "cannot read config.json"
+    for call in (lambda: model_shape(train_cfg(path, tmp_path)),  # was: struct.error / "cannot read config.json"
                  lambda: check_model(train_cfg(path, tmp_path)),
                  lambda: eval_check(str(path), "hf"),
                  lambda: build(ServeConfig(model=str(path), port=0))):
@@ -176,13 +177,13 @@ def test_a_local_path_that_is_not_there_is_refused_at_once_by_every_command(tmp_
     the same words, by plan, train, eval and serve."""
     from longsft.eval.harness import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
-    from longsft.train import plan
+    from longsft.train.plan.trace import model_shape
     from longsft.train.training.curriculum import check_model
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
     said = ": not found (no such folder or file here"
-    for key, call in (("model.path", lambda: plan.model_shape(train_cfg(path, tmp_path))),
+    for key, call in (("model.path", lambda: model_shape(train_cfg(path, tmp_path))),
                       ("model.path", lambda: check_model(train_cfg(path, tmp_path))),
                       ("model", lambda: eval_check(path, "hf")),
                       ("model", lambda: build(ServeConfig(model=path, port=0)))):
@@ -232,7 +233,7 @@ def test_the_commands_print_one_line(gguf_cut, model_dir, tmp_path, capsys):
     code, _, err = run_cli(capsys, "plan", "recipe=tiny", f"model.path={head}", "model.config=null")
     assert code == 2 and f"{head}: not a complete GGUF file" in err
     mid = gguf_cut("mid_file")
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "train", "recipe=tiny", f"model.path={mid}",
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "train", "recipe=tiny", f"model.path={mid}",
                         "model.config=null", f"run_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]

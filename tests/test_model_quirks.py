@@ -6,7 +6,7 @@ import torch
 from transformers import AutoConfig
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import load_config
+from longsft.train.config.recipes import load_config
 from longsft.train.model.build import check_attention_quirks
 from longsft.train.training.curriculum import check_model
 

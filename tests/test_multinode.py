@@ -27,7 +27,7 @@ from conftest import (
     torchrun,
 )
 
-CLI = [sys.executable, "-m", "longsft.train.cli"]
+CLI = [sys.executable, "-m", "longsft.launch.cli"]
 NODES = ["node0", "node1", "node2"]
 # 2 x 2: one short stage (4 ranks share the 2 cores)
 SHORT = [*TEST_OVERRIDES[:-1], "stages=[{name: b, bucket: 1k, seq_len: 1024, max_steps: 2, every_steps: 2}]"]

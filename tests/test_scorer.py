@@ -8,10 +8,10 @@ import sys
 import pytest
 from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
 
-from longsft.eval.scoring.judgement import normalize_type, parse_judgement
-from longsft.eval.scoring.metrics import Item, binary_metrics, score_items
+from longsft.train.scoring.judgement import normalize_type, parse_judgement
+from longsft.train.scoring.metrics import Item, binary_metrics, score_items
 
-LONGSFT = [sys.executable, "-m", "longsft.train.cli"]
+LONGSFT = [sys.executable, "-m", "longsft.launch.cli"]
 
 CASES = [
     ('{"score": 4, "reason": "ok"}', 4, []),

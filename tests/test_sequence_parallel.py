@@ -14,10 +14,11 @@ import torch
 from conftest import ROOT, TEST_OVERRIDES, compare_steps, reference_step, torchrun
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config import load_config, validate
+from longsft.train.config.backends import check_heads
+from longsft.train.config.checks import validate
+from longsft.train.config.recipes import load_config
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import IGNORE, Encoded, Meta
-from longsft.train.parallel.backends import check_heads
 from longsft.train.parallel.distributed import ParallelDims
 from longsft.train.parallel.layout import shard_batch, zigzag_index
 

@@ -15,7 +15,7 @@ import pytest
 import slurm_cluster
 from conftest import ROOT, TWO_STAGES, assert_same_run, skip_or_fail, steps_logged
 
-CLI = [sys.executable, "-m", "longsft.train.cli"]
+CLI = [sys.executable, "-m", "longsft.launch.cli"]
 SWEEP = ROOT / "launch" / "slurm" / "tiny_sweep.txt"
 
 
@@ -89,10 +89,10 @@ def test_dry_run_writes_a_self_contained_submission(tmp_path):
     assert sorted(p.name for p in (sub / "configs").iterdir()) == ["base.yaml", "lr_low.yaml", "seed_1.yaml"]
     assert "lr: 0.001" in (sub / "configs" / "lr_low.yaml").read_text()
     # the job imports the snapshot, not the checkout
-    for f in ("train/cli.py", "eval/scoring/metrics.py", "recipes/tiny.yaml", "ds_configs/zero3_offload.json",
+    for f in ("launch/cli.py", "train/scoring/metrics.py", "recipes/tiny.yaml", "ds_configs/zero3_offload.json",
               "launch/slurm/curriculum.sbatch"):
         assert (sub / "code" / "longsft" / f).exists(), f
-    snap = subprocess.run([sys.executable, "-c", "import longsft.train.cli as m; print(m.__file__)"],
+    snap = subprocess.run([sys.executable, "-c", "import longsft.launch.cli as m; print(m.__file__)"],
                           env={"PYTHONPATH": str(sub / "code")}, capture_output=True, text=True)
     assert snap.stdout.strip() == str(sub / "code" / "longsft" / "train" / "cli.py")
     assert (sub / "code" / "git.txt").read_text().startswith("commit ")

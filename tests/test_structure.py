@@ -1,52 +1,63 @@
 """The package's import graph: no cycles, and imports run one way through the rooms.
 
-Layers, bottom to top (a module imports only from its own layer or below, at any level of the
-file, function-level imports included):
-
-0. ``train.common``: errors, file I/O, the LLM client and cache, version guards, the --help formatter
-1. ``eval.scoring``: the shared scorer (judgement parsing, metrics, bootstrap, ``score``)
-2. ``train.config``: typed config and recipes (with ``train.parallel.backends``, the start-up check of
-   which sequence-parallel backend can run here, which config validation calls)
-3. ``train.parallel``, ``train.data``: process groups and sequence parallelism; samples and batches
-4. ``train.model``: model, tokenizer, loss
-5. ``train.training``, ``train.plan``, ``train.datagen``: the training loop and the memory planner whose
-   choices it takes per stage (kept attention, the tied head's weight); data construction
-6. ``eval``: evaluation harness, backends, report, ConStory, serve
-7. ``train.cluster``: SLURM submission and sweeps
-8. ``train.cli``: the command line
+The layer table is docs/architecture.md's (the one source: this test reads it, so the two cannot
+disagree). A room is a folder of modules (``train/config/``, ``eval/``); a module imports only from its
+own layer or below, at any level of the file, function-level imports included. Besides modules, rooms
+and the three packages (``train`` < ``eval`` < ``launch``) must not import each other in a circle.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = [("train.common",), ("eval.scoring",), ("train.config", "train.parallel.backends"), ("train.parallel", "train.data"),
-          ("train.model",), ("train.training", "train.plan", "train.datagen"), ("eval",), ("train.cluster",),
-          ("train.cli",)]
+TABLE = ROOT / "docs" / "architecture.md"
+PACKAGES = ("train", "eval", "launch")
+
+
+def layer_table(text: str | None = None) -> dict[str, tuple[int, set[str]]]:
+    """Room (dotted, e.g. ``train.config``) -> (layer, its module file names), from the table under the
+    ``<!-- layers ... -->`` marker. A row with an empty layer and room continues the room above it."""
+    text = TABLE.read_text() if text is None else text
+    rows = text.split("<!-- layers", 1)[1].split("\n\n", 1)[0].splitlines()[3:]
+    rooms: dict[str, tuple[int, set[str]]] = {}
+    room = None
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert len(cells) == 4, f"{TABLE}: a layer row has 4 cells: {row!r}"
+        if cells[0]:
+            room = cells[1].strip("`").rstrip("/").replace("/", ".")
+            assert room not in rooms, f"{TABLE}: room {room} listed twice"
+            rooms[room] = (int(cells[0]), set())
+        assert room is not None, f"{TABLE}: the table's first row must name its room"
+        rooms[room][1].update(re.findall(r"`([\w]+\.py)`", cells[3]))
+    return rooms
+
+
+ROOMS = layer_table()
 
 
 def modules() -> dict[str, str]:
     """Module name -> source of every module (package ``__init__`` files are empty: tested below)."""
     found = {}
-    for folder in ("train", "eval"):
+    for folder in PACKAGES:
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path.name != "__init__.py":
                 found[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path.read_text()
     return found
 
 
+def room(module: str) -> str:
+    return module.rsplit(".", 1)[0]
+
+
 def layer(module: str) -> int:
-    best = (-1, -1)  # (prefix length, layer): the most specific prefix wins (eval.scoring over eval)
-    for i, prefixes in enumerate(LAYERS):
-        for p in prefixes:
-            if module == p or module.startswith(p + "."):
-                best = max(best, (len(p), i))
-    assert best[1] >= 0, f"{module} is in no layer: add its room to LAYERS (and to this docstring)"
-    return best[1]
+    assert room(module) in ROOMS, f"{module}: its room {room(module)} is not in {TABLE.name}'s layer table"
+    return ROOMS[room(module)][0]
 
 
 def imports(module: str, source: str, known: set[str]) -> set[str]:
@@ -75,11 +86,43 @@ def graph(extra: dict[str, str] | None = None) -> dict[str, set[str]]:
     return {m: imports(m, src, set(mods)) - {m} for m, src in mods.items()}
 
 
-def test_every_module_is_in_a_layer_and_packages_are_empty():
+def cycles(g: dict[str, set[str]]) -> list[str]:
+    state, found = {}, []
+
+    def visit(m, stack):
+        state[m] = 1
+        for t in sorted(g.get(m, ())):
+            if state.get(t) == 1:
+                found.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                visit(t, stack + [t])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+def collapse(g: dict[str, set[str]], key) -> dict[str, set[str]]:
+    """The graph between groups of modules (``key(module)``: its room, its package)."""
+    out: dict[str, set[str]] = {}
+    for m, targets in g.items():
+        out.setdefault(key(m), set()).update(key(t) for t in targets if key(t) != key(m))
+    return out
+
+
+def test_the_table_lists_every_module_and_packages_are_empty():
+    on_disk: dict[str, set[str]] = {}
     for m in modules():
         layer(m)
-    for init in list((ROOT / "train").rglob("__init__.py")) + list((ROOT / "eval").rglob("__init__.py")):
-        assert not init.read_text().strip(), f"{init}: keep package __init__ files empty (no re-exports)"
+        on_disk.setdefault(room(m), set()).add(m.rsplit(".", 1)[1] + ".py")
+    for r, (_, listed) in ROOMS.items():
+        assert listed == on_disk.get(r, set()), (
+            f"{TABLE.name}: room {r} lists {sorted(listed)}, the folder has {sorted(on_disk.get(r, set()))}")
+    for folder in PACKAGES:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            assert not init.read_text().strip(), f"{init}: keep package __init__ files empty (no re-exports)"
 
 
 def test_imports_run_one_way(extra: dict[str, str] | None = None):
@@ -89,32 +132,39 @@ def test_imports_run_one_way(extra: dict[str, str] | None = None):
 
 
 def test_no_import_cycles(extra: dict[str, str] | None = None):
-    g, state, cycles = graph(extra), {}, []
+    g = graph(extra)
+    found = [f"modules: {c}" for c in cycles(g)]
+    found += [f"rooms: {c}" for c in cycles(collapse(g, room))]
+    found += [f"packages: {c}" for c in cycles(collapse(g, lambda m: m.split(".")[0]))]
+    assert not found, "import cycles:\n" + "\n".join(found)
 
-    def visit(m, stack):
-        state[m] = 1
-        for t in sorted(g[m]):
-            if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
-            elif t not in state:
-                visit(t, stack + [t])
-        state[m] = 2
 
-    for m in sorted(g):
-        if m not in state:
-            visit(m, [m])
-    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+def test_the_packages_stack_train_eval_launch():
+    """Each package's rooms sit above every room of the package below it."""
+    by_package = {p: [ROOMS[r][0] for r in ROOMS if r.split(".")[0] == p] for p in PACKAGES}
+    for low, high in zip(PACKAGES, PACKAGES[1:]):
+        assert max(by_package[low]) < min(by_package[high]), f"{TABLE.name}: {high}'s rooms must sit above {low}'s"
 
 
 def test_the_checks_can_fail():
-    """A planted upward import (common -> cli) and a planted pair importing each other are both caught."""
-    with pytest.raises(AssertionError, match="train.common._up .layer 0. imports train.cli"):
-        test_imports_run_one_way({"train.common._up": "from longsft.train.cli import main\n"})
-    with pytest.raises(AssertionError, match="import cycles"):
+    """A planted upward import, planted cycles (two modules; two rooms; two packages), a relative import, a
+    module the table does not list and a table row that names a missing module are all caught."""
+    with pytest.raises(AssertionError, match="train.common._up .layer 0. imports launch.cli"):
+        test_imports_run_one_way({"train.common._up": "from longsft.launch.cli import main\n"})
+    with pytest.raises(AssertionError, match="modules: train.common._a -> train.common._b"):
         test_no_import_cycles({"train.common._a": "def f():\n    from longsft.train.common._b import g\n",
                                "train.common._b": "from longsft.train.common import _a\n"})
+    with pytest.raises(AssertionError, match="rooms: train.data -> train.parallel -> train.data"):
+        test_no_import_cycles({"train.parallel._x": "from longsft.train.data import _y\n",
+                               "train.data._y": "import longsft.train.parallel.comm\n"})
+    with pytest.raises(AssertionError, match="packages: eval -> train -> eval"):
+        test_no_import_cycles({"train.training._z": "from longsft.eval.harness import run_eval\n"})
     with pytest.raises(AssertionError, match="relative import"):
         graph({"train.common._rel": "from .io import DataError\n"})
+    with pytest.raises(AssertionError, match="room train.nowhere is not in"):
+        layer("train.nowhere.x")
+    table = TABLE.read_text().replace("`errors.py`, ", "`errors.py`, `gone.py`, ", 1)
+    assert "gone.py" in layer_table(table)["train.common"][1]
 
 
 def test_ci_fails_where_a_local_run_skips(monkeypatch):

@@ -96,7 +96,7 @@ def test_llm_engine_validates_retries_and_reports(faithful, server, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(p) + "\n" for p in en))
     out = tmp_path / "erhg.jsonl"
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "data", "erhg", str(src), "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "data", "erhg", str(src), "--out", str(out),
                         "--engine", "llm", "--endpoint", f"editor@{server.url}", "--multi", "0"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -134,7 +134,7 @@ def test_mma_judges_arbiter_and_disagreement_stats(server, tmp_path):
 
 
 def test_mma_needs_two_judges(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "longsft.train.cli", "data", "mma", str(tmp_path / "x.jsonl"), "--out",
+    r = subprocess.run([sys.executable, "-m", "longsft.launch.cli", "data", "mma", str(tmp_path / "x.jsonl"), "--out",
                         str(tmp_path / "o.jsonl"), "--generator", "g@http://h:1/v1", "--judge", "j@http://h:1/v1",
                         "--arbiter", "a@http://h:1/v1"], capture_output=True, text=True)
     assert r.returncode == 2 and "needs exactly two judges, got 1" in r.stderr

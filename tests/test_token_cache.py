@@ -318,7 +318,7 @@ def test_a_failed_run_destroys_its_process_groups(tmp_path, capsys, monkeypatch)
 
 
 def test_the_planner_counts_the_samples_a_rank_holds(sample_dir):
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
 
     cfg = load_config("tiny", ["data.source=files", f"data.train_file={sample_dir}/{{bucket}}/train.jsonl",
                                f"data.validation_file={sample_dir}/{{bucket}}/validation.jsonl"])

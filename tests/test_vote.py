@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from longsft.eval.scoring.metrics import labels
-from longsft.eval.scoring.score import load_predictions
+from longsft.train.scoring.metrics import labels
+from longsft.train.scoring.score import load_predictions
 
-CLI = [sys.executable, "-m", "longsft.train.cli"]
+CLI = [sys.executable, "-m", "longsft.launch.cli"]
 
 
 def cli(*args):

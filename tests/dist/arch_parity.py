@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 tests/dist/arch_parity.py OUT.json
 
 Per family (tests/test_arch_parity.py lists them) the trainer's memory planner plans it on rank 0
-(``plan.choose``, as ``StageTrainer._memory_plan`` calls it: a model it cannot trace would stop
+(``choose``, as ``StageTrainer._memory_plan`` calls it: a model it cannot trace would stop
 training there), a tiny model is built from its config by longsft's own ``build_model`` (seeded, so
 every rank and the reference hold the same weights), passes the start-up checks, and runs one
 sequence as training runs it: collated and sharded by
@@ -35,17 +35,17 @@ def loss_and_grads(model, batch):
 
 def plan_note(config: dict, world: int, tokens: int) -> str:
     """The planner's one-line choice for this family at ``tokens`` tokens, as the trainer asks for it."""
-    from longsft.train import plan
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
+    from longsft.train.plan.choose import choose
 
     run = load_config("tiny", [f"model.config={json.dumps(config)}", "model.path=null", "model.dtype=fp32",
                                "model.gradient_checkpointing=false", f"parallel.sp_size={world}",
                                f"stages=[{{name: a, bucket: '512', seq_len: {tokens}, max_steps: 1}}]"])
-    return plan.choose(run, run.stages[0], world, world, tokens).note
+    return choose(run, run.stages[0], world, world, tokens).note
 
 
 def main(families_json: str, out_path: str) -> None:
-    from longsft.train.config import ModelConfig
+    from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_hf_config, build_model, check_attention_quirks
     from longsft.train.parallel import distributed
     from longsft.train.parallel.attention import active, setup

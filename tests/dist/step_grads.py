@@ -52,7 +52,7 @@ def reference(cfg, model_dir: str, rows, global_idx) -> dict:
 
 
 def _config(model_dir: str, data: str, overrides: list[str], run_dir: str):
-    from longsft.train.config import load_config
+    from longsft.train.config.recipes import load_config
 
     return load_config("tiny", [f"model.path={model_dir}", "model.config=null", "data.source=files",
                                 f"data.train_file={data}", f"data.validation_file={data}", f"run_dir={run_dir}",

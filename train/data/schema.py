@@ -22,10 +22,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longsft.eval.scoring.judgement import TYPES, normalize_type, normalize_types, parse_judgement
 from longsft.train.common.errors import DataError
 from longsft.train.data.prompts import render_target
 from longsft.train.data.sources import open_source
+from longsft.train.scoring.judgement import TYPES, normalize_type, normalize_types, parse_judgement
 
 LANGUAGES = ("zh", "en")
 

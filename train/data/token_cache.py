@@ -35,7 +35,7 @@ import numpy as np
 
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import cache_dir, sha256_file
-from longsft.train.config import RunConfig, StageConfig
+from longsft.train.config.schema import RunConfig, StageConfig
 from longsft.train.data.encoding import ENCODING_VERSION, Encoded, EncodeStats, Meta, encode
 from longsft.train.data.prompts import template_digest
 from longsft.train.data.schema import check_unique, read_sample

@@ -28,11 +28,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from longsft.eval.scoring.judgement import TYPES
 from longsft.train.common.errors import DataError
 from longsft.train.common.io import atomic_write_text, check_input_file, check_output_file
 from longsft.train.common.llm import LLMError, ask_json
 from longsft.train.data.schema import read_records
+from longsft.train.scoring.judgement import TYPES
 
 SENT = {"en": re.compile(r"(?<=[.!?])\s+"), "zh": re.compile(r"(?<=[。！？])")}
 JOIN = {"en": " ", "zh": ""}

@@ -24,7 +24,6 @@ import json
 import math
 from collections import Counter
 
-from longsft.eval.scoring.judgement import normalize_types
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
 from longsft.train.common.jsontext import extract_json_object
@@ -32,6 +31,7 @@ from longsft.train.common.llm import Endpoint, LLMError, answer_key, ask_json
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import Sample, read_records
 from longsft.train.datagen.erhg import check_paths
+from longsft.train.scoring.judgement import normalize_types
 
 SUMMARIZE = {"en": "Summarise the following novel excerpt in English, in one paragraph, keeping the main events "
                    "in order. Reply with JSON only: {\"summary\": \"...\"}\n\n",

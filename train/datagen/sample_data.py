@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from longsft.eval.scoring.judgement import TYPES
 from longsft.train.common.errors import DataError
 from longsft.train.common.io import check_output_dir, write_jsonl
 from longsft.train.data.prompts import render_target
 from longsft.train.datagen.erhg import RuleEngine, perturb
+from longsft.train.scoring.judgement import TYPES
 
 # bucket -> (min, max) article tokens. Tiny stages use seq_len 512/1024/2048/4096; the upper
 # ends overshoot slightly on purpose so the overflow policy is exercised.

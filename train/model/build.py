@@ -12,9 +12,9 @@ from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import cache_dir, weights_source
 from longsft.train.common.model_files import reading_model
-from longsft.train.config import ModelConfig, keeps_attention
-from longsft.train.model.loss import attach_fused_loss, logit_softcap
+from longsft.train.config.schema import ModelConfig, keeps_attention
 from longsft.train.model.layers import EXTENT, Extent, lean_layers, tile_mlps
+from longsft.train.model.loss import attach_fused_loss, logit_softcap
 from longsft.train.model.tied_head import deferrable
 from longsft.train.parallel.attention import ATTN_NAME
 

@@ -13,8 +13,8 @@ import importlib.util
 import torch
 
 from longsft.train.common.compat import import_bare
+from longsft.train.config.backends import check_backend
 from longsft.train.parallel import comm
-from longsft.train.parallel.backends import check_backend
 from longsft.train.parallel.layout import SP
 
 

@@ -15,12 +15,14 @@ from typing import Any
 from longsft.train.common.errors import ConfigError, same_on_every_rank
 from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, say
 from longsft.train.common.model_files import check_model_source
-from longsft.train.config import RunConfig, dump_yaml, to_dict, validate
+from longsft.train.config.backends import check_heads
+from longsft.train.config.checks import validate
+from longsft.train.config.loader import dump_yaml, to_dict
+from longsft.train.config.schema import RunConfig
 from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
 from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks
 from longsft.train.parallel import comm, distributed
-from longsft.train.parallel.backends import check_heads
 from longsft.train.training.preempt import StopWatch
 from longsft.train.training.report import write_report
 from longsft.train.training.rundir import check_run_dir, read_state

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longsft.eval.scoring.metrics import score_items
-from longsft.eval.scoring.score import load_predictions
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import atomic_write_json, atomic_write_text
+from longsft.train.scoring.metrics import score_items
+from longsft.train.scoring.score import load_predictions
 from longsft.train.training.rundir import read_state
 from longsft.train.training.tracker import read_metrics
 

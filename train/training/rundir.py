@@ -10,7 +10,8 @@ import yaml
 
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import read_json, read_text
-from longsft.train.config import RunConfig, to_dict
+from longsft.train.config.loader import to_dict
+from longsft.train.config.schema import RunConfig
 
 RUN_MARKERS = ("config.yaml", "state.json")  # a folder holding one of these is a longsft run directory
 # what longsft puts there before the run starts: lock, stop request, submit folder, the sample set that

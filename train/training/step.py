@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from longsft.train.config import ModelConfig, keeps_attention
+from longsft.train.config.schema import ModelConfig, keeps_attention
 from longsft.train.data.batching import Row, StepSampler, collate
 from longsft.train.model.loss import backward_scale, token_loss_sum
 from longsft.train.parallel import comm

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from longsft.train.common.io import JsonlLog, iter_jsonl
-from longsft.train.config import LoggingConfig
+from longsft.train.config.schema import LoggingConfig
 
 
 def peak_memory_gb() -> float:

@@ -9,18 +9,19 @@ from dataclasses import asdict, replace
 
 import torch
 
-from longsft.train import plan
 from longsft.train.common.errors import ConfigError, same_on_every_rank
 from longsft.train.common.io import write_jsonl
-from longsft.train.config import RunConfig
+from longsft.train.config.deepspeed import build_ds_config
+from longsft.train.config.schema import RunConfig
 from longsft.train.data.batching import StepSampler, pack
 from longsft.train.data.encoding import EncodeStats
 from longsft.train.data.token_cache import stage_data, stage_files
 from longsft.train.model.build import build_hf_config, build_model
 from longsft.train.parallel import comm
 from longsft.train.parallel.distributed import Dist
+from longsft.train.plan.choose import choose
 from longsft.train.training import checkpoint
-from longsft.train.training.engine import build_ds_config, build_engine
+from longsft.train.training.engine import build_engine
 from longsft.train.training.preempt import StopRequested, StopWatch
 from longsft.train.training.step import n_targets, train_step
 from longsft.train.training.tracker import Tracker, peak_memory_gb
@@ -101,11 +102,11 @@ class StageTrainer:
 
     def _memory_plan(self) -> tuple[bool, bool]:
         """(keep the layers' attention, hold a tied head's weight through the backward): the planner's
-        choices for this stage on this job's hardware (:func:`plan.choose`), made on rank 0 for every rank."""
+        choices for this stage on this job's hardware (:func:`choose`), made on rank 0 for every rank."""
         choice = None
         if self.d.is_main:
             targets = self.cfg.optim.micro_batch_size * max(n_targets(row) for row in self.train)
-            choice = plan.choose(self.cfg, self.stage, self.d.world_size,
+            choice = choose(self.cfg, self.stage, self.d.world_size,
                                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")), targets)
             self.tracker.write(f"stage {self.stage.name}: {choice.note}")
             choice = choice.keep_attention, choice.hold_tied_weight

@@ -17,7 +17,6 @@ import math
 
 import torch
 
-from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.compat import full_shape
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import Encoded
@@ -26,6 +25,7 @@ from longsft.train.model.loss import token_loss_sum
 from longsft.train.parallel import comm
 from longsft.train.parallel.comm import all_gather_objects, all_reduce
 from longsft.train.parallel.distributed import Dist
+from longsft.train.scoring.metrics import Item, score_items
 
 
 def _shard(items: list, d: Dist, padded: bool = True) -> list[tuple[int, bool]]:

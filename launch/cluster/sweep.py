@@ -22,7 +22,7 @@ from pathlib import Path
 from longsft.eval.harness import parse_eval_args
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import read_text
-from longsft.train.config import parse_run_args
+from longsft.train.config.recipes import parse_run_args
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

@@ -17,8 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
-from longsft.eval.scoring.bootstrap import bootstrap_ci
-from longsft.eval.scoring.judgement import TYPES, Judgement, parse_judgement
+from longsft.train.scoring.bootstrap import bootstrap_ci
+from longsft.train.scoring.judgement import TYPES, Judgement, parse_judgement
 
 InvalidPolicy = Literal["wrong", "hallucinated", "faithful"]
 

@@ -23,12 +23,15 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from longsft.train.cluster.sweep import check_sweep, task_args
+from longsft.launch.cluster.sweep import check_sweep, task_args
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import atomic_write_text
-from longsft.train.config import RunConfig, dump_yaml, parse_run_args
+from longsft.train.config.loader import dump_yaml
+from longsft.train.config.recipes import parse_run_args
+from longsft.train.config.schema import RunConfig
 from longsft.train.parallel.distributed import ParallelDims
-from longsft.train.plan import GIB, Hardware, plan
+from longsft.train.plan.choose import plan
+from longsft.train.plan.hardware import GIB, Hardware
 
 PACKAGES = ("train", "eval", "recipes", "ds_configs", "launch")
 

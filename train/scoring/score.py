@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from longsft.eval.scoring.judgement import normalize_types
-from longsft.eval.scoring.metrics import Item, score_items
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.helpfmt import DefaultsHelp
 from longsft.train.common.io import atomic_write_json, check_input_file, check_output_file, iter_jsonl
+from longsft.train.scoring.judgement import normalize_types
+from longsft.train.scoring.metrics import Item, score_items
 
 
 def load_predictions(path: str | Path) -> list[Item]:

@@ -46,11 +46,12 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from longsft.train.common.errors import (ConfigError, DataError, is_same_on_every_rank, is_this_rank_only,
-                                         this_rank_only)
+from longsft.train.common.errors import ConfigError, DataError, is_same_on_every_rank, is_this_rank_only, this_rank_only
 from longsft.train.common.helpfmt import DefaultsHelp
 from longsft.train.common.io import check_output_file, say
-from longsft.train.config import dump_yaml, parse_run_args, run_help, run_keys_epilog, wants_help
+from longsft.train.config.help import run_help, run_keys_epilog, wants_help
+from longsft.train.config.loader import dump_yaml
+from longsft.train.config.recipes import parse_run_args
 
 
 def _prepare(argv: list[str]) -> int:
@@ -172,7 +173,7 @@ def _data(argv: list[str]) -> int:
 def _tokenizer(name: str):
     """``--tokenizer``: qwen (offline), an HF folder or hub id, a .gguf file or pkg:PACKAGE/FILE."""
     from longsft.train.common.io import weights_source
-    from longsft.train.config import ModelConfig
+    from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_tokenizer
 
     if name != "qwen":
@@ -255,7 +256,9 @@ def _config(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from longsft.train import plan
+    from longsft.train.plan.choose import advice, plan
+    from longsft.train.plan.hardware import GIB, Hardware
+    from longsft.train.plan.report import table, to_json
 
     ap = argparse.ArgumentParser(prog="longsft plan", formatter_class=DefaultsHelp,
                                  epilog=run_keys_epilog() if wants_help(argv) else None,  # built only for --help
@@ -272,7 +275,7 @@ def _plan(argv: list[str]) -> int:
     ap.add_argument("--json", default=None, help="also write the prediction to this file")
     args, rest = ap.parse_known_args(argv)
     cfg = parse_run_args(rest)
-    hw = plan.Hardware(args.gpus_per_node, args.nodes, args.gpu_gib, args.host_gib, args.reserve_gib,
+    hw = Hardware(args.gpus_per_node, args.nodes, args.gpu_gib, args.host_gib, args.reserve_gib,
                        fragmentation=args.fragmentation)
     hw.check()
     if args.targets is not None and args.targets < 1:
@@ -281,19 +284,19 @@ def _plan(argv: list[str]) -> int:
         check_output_file(args.json)
     print(f"longsft plan: tracing {len(cfg.stages)} stage(s) on the meta device (no memory, a few seconds each)",
           file=sys.stderr, flush=True)
-    shape, rows = plan.plan(cfg, hw, args.targets)
-    print(plan.table(cfg, hw, shape, rows))
+    shape, rows = plan(cfg, hw, args.targets)
+    print(table(cfg, hw, shape, rows))
     for stage, est in zip(cfg.stages, rows):
         if not est.fits:
-            fixes = plan.advice(cfg, stage, shape, hw, args.targets)
-            print(f"\nstage {stage.name} does not fit ({est.total / plan.GIB:.1f} of {hw.gpu_gib:g} GiB); "
+            fixes = advice(cfg, stage, shape, hw, args.targets)
+            print(f"\nstage {stage.name} does not fit ({est.total / GIB:.1f} of {hw.gpu_gib:g} GiB); "
                   + ("each of these fits:\n  " + "\n  ".join(fixes) if fixes else
                      "no single change fits: more GPUs (nodes), a larger sp_size or a shorter seq_len"))
     if args.json:
         from longsft.train.common.io import atomic_write_json
 
-        atomic_write_json(args.json, plan.to_json(cfg, hw, shape, rows))
-    host_ok = hw.host_gib is None or max(e.host_per_node for e in rows) <= hw.host_gib * plan.GIB
+        atomic_write_json(args.json, to_json(cfg, hw, shape, rows))
+    host_ok = hw.host_gib is None or max(e.host_per_node for e in rows) <= hw.host_gib * GIB
     if not host_ok:
         print("\nhost memory does not fit: more nodes (offloaded state is split over every GPU), or offload less")
     return 0 if host_ok and all(e.fits for e in rows) else 1
@@ -356,7 +359,7 @@ def _sweep(argv: list[str]) -> int:
     ap.add_argument("--print0", action="store_true", help="NUL-separated (for the array script)")
     ap.add_argument("--command", choices=["train", "eval"], default="train", help="what each line runs")
     args, common = ap.parse_known_args(argv)
-    from longsft.train.cluster.sweep import OUTPUT_KEY, check_sweep, load_sweep, task_args
+    from longsft.launch.cluster.sweep import OUTPUT_KEY, check_sweep, load_sweep, task_args
 
     root = args.root or f"runs/sweeps/{os.path.splitext(os.path.basename(args.file))[0]}"
     if args.task is None:
@@ -372,7 +375,7 @@ def _sweep(argv: list[str]) -> int:
 
 
 def _submit(argv: list[str]) -> int:
-    from longsft.train.cluster.slurm import Resources, submit
+    from longsft.launch.cluster.slurm import Resources, submit
 
     ap = argparse.ArgumentParser(prog="longsft submit", formatter_class=DefaultsHelp,
                                  epilog=run_keys_epilog() if wants_help(argv) else None,
@@ -500,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         if handler is not None:
             return handler(rest)
         if cmd == "score":
-            from longsft.eval.scoring.score import main as score_main
+            from longsft.train.scoring.score import main as score_main
 
             return score_main(rest)
         if cmd == "vote":
