@@ -52,43 +52,38 @@ def ring_blocks(q, k, v, dout, sp: int, kernel) -> torch.Tensor:
     another (each block's K/V taken from its source rank's shard instead of received), as
     :class:`~longsft.train.parallel.ring._ZigzagRing` computes them. Returns dq."""
     from longsft.train.parallel.kernels import block_bwd, block_fwd, merge_
-    from longsft.train.parallel.layout import SP, zigzag_index
-    from longsft.train.parallel.ring import _plan
+    from longsft.train.parallel.layout import zigzag_index
+    from longsft.train.parallel.ring import block_plan
 
     s = q.shape[2]
     shards = [zigzag_index(s, sp, r).to(q.device) for r in range(sp)]
-    c, scale, saved = s // (2 * sp), q.shape[-1] ** -0.5, (SP.size, SP.rank)
+    c, scale = s // (2 * sp), q.shape[-1] ** -0.5
     dq = torch.empty_like(q)
-    try:
-        SP.size = sp
-        for r in range(sp):
-            SP.rank = r
-            ql, dl = q[:, :, shards[r]], dout[:, :, shards[r]]
-            late = ql[:, :, c:].contiguous()
-            out = torch.empty(ql.shape, dtype=torch.float32, device=q.device)
-            lse = torch.empty(ql.shape[:3], dtype=torch.float32, device=q.device)
-            blocks = []
-            for step in range(sp):
-                src = shards[(r - step) % sp]
-                qs, ks, causal, kk, vv, _ = _plan(step, c, 1, k[:, :, src], v[:, :, src], None, None)
-                blocks.append((qs, ks, causal, kk, vv))
-                bo, bl = block_fwd(kernel, ql if qs.start is None else late, kk, vv, causal, scale)
-                if step == 0:
-                    out.copy_(bo)
-                    lse.copy_(bl)
-                else:
-                    merge_(out[:, :, qs], lse[:, :, qs], bo, bl)
-            out = out.to(q.dtype)
-            whole = (dl.contiguous(), ql, out, lse)
-            parts = (whole, tuple(t[:, :, c:].contiguous() for t in whole))
-            dq_r = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
-            for qs, ks, causal, kk, vv in blocks:
-                d_o, q_b, o_b, l_b = parts[qs.start is not None]
-                g = block_bwd(kernel, d_o, q_b, kk, vv, o_b, l_b, causal, scale)
-                dq_r[:, :, qs].add_(g[0])  # dK/dV would travel home; their cost is in the kernel
-            dq[:, :, shards[r]] = dq_r.to(q.dtype)
-    finally:
-        SP.size, SP.rank = saved
+    for r in range(sp):
+        ql, dl = q[:, :, shards[r]], dout[:, :, shards[r]]
+        late = ql[:, :, c:].contiguous()
+        out = torch.empty(ql.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(ql.shape[:3], dtype=torch.float32, device=q.device)
+        blocks = []
+        for step in range(sp):
+            src = shards[(r - step) % sp]
+            qs, ks, causal, kk, vv, _ = block_plan(r, sp, step, c, 1, k[:, :, src], v[:, :, src], None, None)
+            blocks.append((qs, ks, causal, kk, vv))
+            bo, bl = block_fwd(kernel, ql if qs.start is None else late, kk, vv, causal, scale)
+            if step == 0:
+                out.copy_(bo)
+                lse.copy_(bl)
+            else:
+                merge_(out[:, :, qs], lse[:, :, qs], bo, bl)
+        out = out.to(q.dtype)
+        whole = (dl.contiguous(), ql, out, lse)
+        parts = (whole, tuple(t[:, :, c:].contiguous() for t in whole))
+        dq_r = torch.zeros(ql.shape, dtype=torch.float32, device=q.device)
+        for qs, ks, causal, kk, vv in blocks:
+            d_o, q_b, o_b, l_b = parts[qs.start is not None]
+            g = block_bwd(kernel, d_o, q_b, kk, vv, o_b, l_b, causal, scale)
+            dq_r[:, :, qs].add_(g[0])  # dK/dV would travel home; their cost is in the kernel
+        dq[:, :, shards[r]] = dq_r.to(q.dtype)
     return dq
 
 

@@ -107,7 +107,7 @@ def worker(spec: dict) -> None:
     keep_any = any(m.keep_attention for m in made)
     t0 = time.perf_counter()
     # built as the trainer builds it (onestep.zero3_engine), with longsft's attention when any row keeps
-    # attention: with keep_attention off in a row, that attention runs SDPA (SP.active false on one rank)
+    # attention: with keep_attention off in a row, that attention runs SDPA (no SP forward is opened on one rank)
     first = load_config("tiny", [*rows[0]["args"], f"model.keep_attention={str(keep_any).lower()}"])
     engine = onestep.zero3_engine(first, total_steps=100)
     attn = engine.module.config._attn_implementation
@@ -138,7 +138,7 @@ def worker(spec: dict) -> None:
                         torch.cuda.reset_peak_memory_stats()
                     sync()
                     t = time.perf_counter()
-                    loss, n = onestep.step(engine, cfg, batch)
+                    loss, n = onestep.step(engine, cfg, batch, d.attention)
                     sync()
                     times.append(time.perf_counter() - t)
                 row.update(warmup_s=times[0], step_times=times[1:], step_s=sum(times[1:]) / timed, loss=loss / n,

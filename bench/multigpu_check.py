@@ -25,6 +25,7 @@ results go to bench/results/multigpu_check.json after each launch, so a run cut 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -105,7 +106,7 @@ def worker(a) -> None:
 
     from longsft.train.config.recipes import load_config
     from longsft.train.parallel import comm, distributed
-    from longsft.train.parallel.attention import setup
+    from longsft.train.parallel.attention import register
 
     n = int(os.environ["WORLD_SIZE"])
     before = None
@@ -117,13 +118,13 @@ def worker(a) -> None:
     result = {"ranks": n, "nccl": nccl_memory(d, before), "steps": {}}
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for backend in (BACKENDS if n > 1 else ("torch",)):
-        setup(d.sp_group, d.dims.sp_group_ranks()[d.dp_rank], d.rank, backend)
+        attention = register(dataclasses.replace(d.sp, backend=backend))
         cfg = load_config("tiny", run_keys(a.smoke, a.seq, n) + [f"parallel.sp_backend={backend}"])
         batch = onestep.one_sequence(cfg, a.seq, d)
         engine = onestep.zero3_engine(cfg, total_steps=3, world_size=n)
         sync()
         t0 = time.perf_counter()
-        loss_sum, _ = onestep.step(engine, cfg, batch)
+        loss_sum, _ = onestep.step(engine, cfg, batch, attention)
         sync()
         seconds = time.perf_counter() - t0
         row = {"loss": comm.all_reduce([loss_sum])[0] / onestep.ANSWER,
@@ -132,7 +133,7 @@ def worker(a) -> None:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                onestep.step(engine, cfg, batch)
+                onestep.step(engine, cfg, batch, attention)
                 sync()
             row["overlap"] = comm.all_gather_objects(overlap(prof))
             if d.is_main:

@@ -63,16 +63,16 @@ def choices(cfg, world_size: int = 1, answer: int = ANSWER):
     return comm.broadcast_object(made)
 
 
-def step(engine, cfg, batch) -> tuple[float, int]:
-    """One optimizer step (grad_accum 1) exactly as the trainer takes it; returns this rank's (loss sum,
+def step(engine, cfg, batch, attention) -> tuple[float, int]:
+    """One optimizer step (grad_accum 1) exactly as the trainer takes it, its forward inside ``attention``'s
+    ``active()`` (``d.attention``: the registered SP attention entry); returns this rank's (loss sum,
     targets). On several ranks the batch is one sequence split over them (an SP group, dp = 1)."""
-    from longsft.train.config.schema import keeps_attention
+    from longsft.train.model.build import keeps_attention
     from longsft.train.model.loss import backward_scale, token_loss_sum
     from longsft.train.parallel import comm
-    from longsft.train.parallel.attention import active
 
     m = engine.longsft_model_cfg  # as zero3_engine resolved it
-    with active(keep_attention=keeps_attention(m, cfg.parallel.sp_size, cfg.data.packing)):
+    with attention.active(keep_attention=keeps_attention(m, cfg.parallel.sp_size, cfg.data.packing)):
         loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)
         n_global = comm.all_reduce([n])[0] if comm.active() else n
         engine.backward(loss * backward_scale(n_global, engine.dp_world_size, 1))

@@ -49,7 +49,7 @@ def worker(seq: int, out: str, overrides: list[str]) -> None:
     before = _status_kib("VmRSS")
     engine = onestep.zero3_engine(cfg, total_steps=3)
     for _ in range(3):  # the peak of a step after the first (Adam's moments exist from the first on)
-        onestep.step(engine, cfg, batch)
+        onestep.step(engine, cfg, batch, d.attention)
     peak = _status_kib("VmHWM") - before
     Path(out).write_text(json.dumps({"measured_bytes": peak * 1024}))
     distributed.shutdown()

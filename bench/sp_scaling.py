@@ -38,7 +38,6 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     from longsft.train.model.build import build_model
     from longsft.train.model.loss import token_loss_sum
     from longsft.train.parallel import comm, distributed
-    from longsft.train.parallel.attention import active
     from longsft.train.training.step import make_batch
 
     sp = int(os.environ["WORLD_SIZE"])
@@ -51,7 +50,7 @@ def worker(seq: int, out: str, model_overrides: list[str]) -> None:
     batch, _ = make_batch([item], 0, d)
 
     def step() -> None:
-        with active():
+        with d.attention.active():
             loss, n = token_loss_sum(model, batch)
             (loss / n).backward()
         model.zero_grad(set_to_none=True)

@@ -79,7 +79,7 @@ def counts(prof) -> dict:
     return total
 
 
-def plain_stepper(cfg, batch):
+def plain_stepper(cfg, batch, attention=None):
     """A step of the same model and loss code without DeepSpeed."""
     import torch
 
@@ -102,9 +102,9 @@ def plain_stepper(cfg, batch):
     return step, lambda: None
 
 
-def ds_stepper(cfg, batch):
+def ds_stepper(cfg, batch, attention):
     engine = onestep.zero3_engine(cfg, total_steps=100)
-    return (lambda: onestep.step(engine, cfg, batch)), engine.destroy
+    return (lambda: onestep.step(engine, cfg, batch, attention)), engine.destroy
 
 
 def main() -> None:
@@ -146,7 +146,7 @@ def main() -> None:
                                                     f"deepspeed.layer_hooks={str(name == 'zero3 layer hooks').lower()}"]
                 cfg = load_config("tiny", [*base, *extra])
                 batch = onestep.one_sequence(cfg, seq, d)
-                step, close = (plain_stepper if name == "plain" else ds_stepper)(cfg, batch)
+                step, close = (plain_stepper if name == "plain" else ds_stepper)(cfg, batch, d.attention)
                 step()  # warm-up
                 for _ in range(steps):
                     sync()

@@ -155,7 +155,7 @@ def worker(args) -> None:
     from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_hf_config
     from longsft.train.parallel import comm, distributed
-    from longsft.train.parallel.layout import SP
+    from longsft.train.parallel.attention import register
 
     sp = int(os.environ["WORLD_SIZE"])
     cfg = load_config("tiny", [*COMMON, f"parallel.sp_size={sp}", f"stages.0.seq_len={args.seq}",
@@ -177,13 +177,13 @@ def worker(args) -> None:
             batches[impl] = onestep.one_sequence(cfg, args.seq, d)
 
     def run(impl: str) -> dict:
-        SP.backend = impl.split("+")[0] if impl != "alst" else SP.backend
+        attention = register(dataclasses.replace(d.sp, backend=impl.split("+")[0])) if impl != "alst" else None
         with Measured() as m:
             if impl == "alst":
                 loss, norm = _alst_step(*engines[impl], batches[impl])
             else:
                 engine = engines[impl]
-                loss_sum, _ = onestep.step(engine, cfgs[impl], batches[impl])  # its loss: this rank's sum
+                loss_sum, _ = onestep.step(engine, cfgs[impl], batches[impl], attention)  # its loss: this rank's sum
                 norm = float(engine.get_global_grad_norm() or 0.0)
                 loss = comm.all_reduce([loss_sum])[0] / onestep.ANSWER
         return {"wall": m.wall, "cpu": m.cpu, "peak_mib": m.peak_kib / 1024, "loss": loss, "grad_norm": norm}

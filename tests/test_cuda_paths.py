@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from cuda_contract import ContractViolation, CudaAttentionContract
 
-from longsft.train.parallel.attention import active, sp_mask
+from longsft.train.parallel.attention import SPAttention
 from longsft.train.parallel.kernels import (
     CPU_KERNEL,
     CUDNN_KERNEL,
@@ -31,8 +31,7 @@ from longsft.train.parallel.kernels import (
     choose,
     merge_,
 )
-from longsft.train.parallel.layout import SP
-from longsft.train.parallel.ring import _plan, zigzag_ring_attention
+from longsft.train.parallel.ring import block_plan, zigzag_ring_attention
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -94,27 +93,22 @@ def test_ring_on_one_rank_makes_valid_cuda_calls(dtype, kernel):
 @pytest.mark.parametrize("dtype,kernel", KERNEL_CASES, ids=KERNEL_IDS)
 @pytest.mark.parametrize("size", [2, 4])
 def test_every_ring_block_makes_valid_cuda_calls(dtype, kernel, size):
-    """Each rank's block at each ring step (the shapes ``_plan`` cuts), forward and backward."""
+    """Each rank's block at each ring step (the shapes ``block_plan`` cuts), forward and backward."""
     c, h, hk, d = 37, 8, 2, 128  # odd chunk length: the efficient kernel's lse padding matters
     groups = 1 if kernel.gqa else h // hk
-    saved = dataclasses.replace(SP)
     calls = 0
-    try:
-        for rank in range(size):
-            SP.size, SP.rank = size, rank
-            for step in range(size):
-                kc, vc = _meta((1, hk, 2 * c, d), dtype), _meta((1, hk, 2 * c, d), dtype)
-                qs, ks, causal, kk, vv, _ = _plan(step, c, groups, kc, vc, None, None)
-                q = _meta((1, h, 2 * c, d), dtype)[:, :, qs].contiguous()
-                with CudaAttentionContract() as contract:
-                    out, lse = kernel.fwd(q, kk, vv, causal, d ** -0.5)
-                    assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:3])
-                    dq, dk, dv = kernel.bwd(torch.empty_like(out), q, kk, vv, out, lse.contiguous(), causal,
-                                            d ** -0.5)
-                assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == vv.shape
-                calls += sum(contract.calls.values())
-    finally:
-        SP.size, SP.rank = saved.size, saved.rank
+    for rank in range(size):
+        for step in range(size):
+            kc, vc = _meta((1, hk, 2 * c, d), dtype), _meta((1, hk, 2 * c, d), dtype)
+            qs, ks, causal, kk, vv, _ = block_plan(rank, size, step, c, groups, kc, vc, None, None)
+            q = _meta((1, h, 2 * c, d), dtype)[:, :, qs].contiguous()
+            with CudaAttentionContract() as contract:
+                out, lse = kernel.fwd(q, kk, vv, causal, d ** -0.5)
+                assert lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:3])
+                dq, dk, dv = kernel.bwd(torch.empty_like(out), q, kk, vv, out, lse.contiguous(), causal,
+                                        d ** -0.5)
+            assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == vv.shape
+            calls += sum(contract.calls.values())
     assert calls == 2 * size * size
 
 
@@ -196,6 +190,7 @@ def test_no_attention_mask_is_built_while_sequence_parallel():
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     kw = dict(batch_size=1, q_length=8, kv_length=8, mask_function=causal_mask_function, allow_is_causal_skip=False)
-    assert torch.equal(sp_mask(**kw), sdpa_mask(**kw))
-    with active(doc_ids=torch.zeros(1, 8, dtype=torch.long)):
-        assert sp_mask(**kw) is None
+    entry = SPAttention()
+    assert torch.equal(entry.mask(**kw), sdpa_mask(**kw))
+    with entry.active(doc_ids=torch.zeros(1, 8, dtype=torch.long)):
+        assert entry.mask(**kw) is None

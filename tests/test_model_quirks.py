@@ -53,10 +53,10 @@ def test_the_run_refuses_it_at_start_up():
 
 def test_the_attention_itself_refuses_a_quirk_it_is_handed():
     """A new transformers release may pass a quirk the start-up check does not know: the forward fails."""
-    from longsft.train.parallel.attention import active, sp_attention_forward
+    from longsft.train.parallel.attention import SPAttention
 
-    q = torch.randn(1, 2, 8, 4)
-    with active(doc_ids=torch.zeros(1, 8, dtype=torch.long)), pytest.raises(ValueError, match="sliding_window=4"):
-        sp_attention_forward(torch.nn.Identity(), q, q, q, None, sliding_window=4)
-    with active(doc_ids=torch.zeros(1, 8, dtype=torch.long)), pytest.raises(ValueError, match="softcap=50.0"):
-        sp_attention_forward(torch.nn.Identity(), q, q, q, None, softcap=50.0)
+    q, entry = torch.randn(1, 2, 8, 4), SPAttention()
+    with entry.active(doc_ids=torch.zeros(1, 8, dtype=torch.long)), pytest.raises(ValueError, match="sliding_window=4"):
+        entry.forward(torch.nn.Identity(), q, q, q, None, sliding_window=4)
+    with entry.active(doc_ids=torch.zeros(1, 8, dtype=torch.long)), pytest.raises(ValueError, match="softcap=50.0"):
+        entry.forward(torch.nn.Identity(), q, q, q, None, softcap=50.0)

@@ -19,6 +19,7 @@ from longsft.train.config.checks import validate
 from longsft.train.config.recipes import load_config
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import IGNORE, Encoded, Meta
+from longsft.train.parallel.context import SequenceParallel
 from longsft.train.parallel.distributed import ParallelDims
 from longsft.train.parallel.layout import shard_batch, zigzag_index
 
@@ -31,7 +32,7 @@ def test_zigzag_layout_and_shard_batch():
     assert zigzag_index(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     e = Encoded(Meta("a", "en", 4), list(range(100, 111)), 6)  # 11 tokens: needs padding to 12
     full = collate([e], pad_id=0)
-    parts = [shard_batch(full, 3, r, pad_id=0) for r in range(3)]
+    parts = [shard_batch(full, SequenceParallel(ranks=(0, 1, 2), rank=r), pad_id=0) for r in range(3)]
     assert all(p["input_ids"].shape == (1, 4) for p in parts)
     assert "attention_mask" not in parts[0]
     pos = torch.cat([p["position_ids"] for p in parts], 1)[0]

@@ -7,11 +7,12 @@ Per family (tests/test_arch_parity.py lists them) the trainer's memory planner p
 training there), a tiny model is built from its config by longsft's own ``build_model`` (seeded, so
 every rank and the reference hold the same weights), passes the start-up checks, and runs one
 sequence as training runs it: collated and sharded by
-``shard_batch``, attention through longsft's registry entry inside ``active()``. The summed
+``shard_batch``, attention through longsft's registry entry inside its ``active()``. The summed
 cross-entropy and every parameter gradient (all-reduced over the two ranks) are compared with the
 same model in one process on the unsplit sequence (transformers' SDPA attention).
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -48,7 +49,7 @@ def main(families_json: str, out_path: str) -> None:
     from longsft.train.config.schema import ModelConfig
     from longsft.train.model.build import build_hf_config, build_model, check_attention_quirks
     from longsft.train.parallel import distributed
-    from longsft.train.parallel.attention import active, setup
+    from longsft.train.parallel.attention import register
     from longsft.train.parallel.layout import shard_batch
 
     d = distributed.init(int(os.environ["WORLD_SIZE"]))
@@ -66,10 +67,11 @@ def main(families_json: str, out_path: str) -> None:
         check_attention_quirks(build_hf_config(cfg), sp_size=2, packing=False)
         ref_loss, ref_grads = loss_and_grads(build_model(cfg, seed=1), whole)
         for backend in ("torch", "ulysses"):
-            setup(d.sp_group, list(range(d.world_size)), d.rank, backend)
+            sp = dataclasses.replace(d.sp, backend=backend)
+            entry = register(sp)  # the registered attention entry, bound to this backend's SP context
             model = build_model(cfg, seed=1, sp_size=2)
-            part = shard_batch(dict(whole), 2, d.rank, pad_id=0)
-            with active():
+            part = shard_batch(dict(whole), sp, pad_id=0)
+            with entry.active():
                 loss, grads = loss_and_grads(model, part)
             torch.distributed.all_reduce(loss)
             for t in grads.values():

@@ -7,6 +7,7 @@ Unpacked fp32 cases also run as a checkpointed layer with and without ``model.ke
 (``kept``), counting the forward kernel calls of the forward plus the recompute.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -39,8 +40,8 @@ def forward_kernels(fn) -> int:
 def main(out_path: str) -> None:
     from longsft.train.parallel import comm
     from longsft.train.parallel import distributed
-    from longsft.train.parallel.attention import BACKENDS, _attend, active, setup
-    from longsft.train.parallel.layout import SP
+    from longsft.train.parallel.attention import BACKENDS, attend_layer
+    from longsft.train.parallel.context import Documents, Forward
     from longsft.train.parallel.ring_flash import ring_flash_attention
     from longsft.train.parallel.ulysses import ulysses_attention
     from longsft.train.parallel.layout import zigzag_index
@@ -59,9 +60,10 @@ def main(out_path: str) -> None:
     backends = ["torch", "ulysses"]
     if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN") and n > 1:  # tests/flash_attn_cpu on PYTHONPATH
         backends.append("ring_flash_attn")
-        setup(d.sp_group, list(range(n)), d.rank, "ring_flash_attn")
-    attention = {"torch": zigzag_ring_attention, "ulysses": ulysses_attention,
-                 "ring_flash_attn": ring_flash_attention}
+    sp = {b: dataclasses.replace(d.sp, backend=b) for b in backends}  # the SP context, passed explicitly
+    attention = {"torch": lambda q, k, v, docs: zigzag_ring_attention(q, k, v, None, docs and docs.ids, sp=sp["torch"]),
+                 "ulysses": lambda q, k, v, docs: ulysses_attention(q, k, v, None, docs, sp=sp["ulysses"]),
+                 "ring_flash_attn": lambda q, k, v, docs: ring_flash_attention(sp["ring_flash_attn"], q, k, v, None, docs)}
     for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in backends for c in cases]:
         if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and dtype != torch.bfloat16):
             continue  # ring_flash_attn: flash-attn's dtypes
@@ -85,9 +87,8 @@ def main(out_path: str) -> None:
         idx = torch.arange(d.sp_rank * seq // n, (d.sp_rank + 1) * seq // n) if contiguous else \
             zigzag_index(seq, n, d.sp_rank)
         ql, kl, vl = (t[:, :, idx].to(dtype).requires_grad_() for t in (q, k, v))
-        local_docs = doc_ids[:, idx] if docs else None
-        with active(doc_ids=local_docs):
-            out = attend(ql, kl, vl, None, local_docs)
+        local_docs = Documents(doc_ids[:, idx]) if docs else None
+        out = attend(ql, kl, vl, local_docs)
         out.backward(dout[:, :, idx].to(dtype))
         errs = {"out": rel(out, ref[:, :, idx].detach()), "dq": rel(ql.grad, qr.grad[:, :, idx]),
                 "dk": rel(kl.grad, kr.grad[:, :, idx]), "dv": rel(vl.grad, vr.grad[:, :, idx])}
@@ -101,11 +102,12 @@ def main(out_path: str) -> None:
             ql, kl, vl = (t[:, :, idx].requires_grad_() for t in (q, k, v))
 
             def step():
-                with active(keep_attention=keep):
-                    out = checkpoint(
-                        lambda *qkv: _attend(layer, BACKENDS[backend], *qkv, None) * 2, ql, kl, vl, use_reentrant=False)
-                    out.backward(dout[:, :, idx])
-                    assert not SP.kept, "kept attention outlived its recompute"
+                fwd = Forward(sp[backend], keep_attention=keep)
+                out = checkpoint(
+                    lambda *qkv: attend_layer(fwd, layer, BACKENDS[backend], *qkv, None) * 2, ql, kl, vl,
+                    use_reentrant=False)
+                out.backward(dout[:, :, idx])
+                assert not fwd.kept, "kept attention outlived its recompute"
 
             calls = forward_kernels(step)
             errs = {"dq": rel(ql.grad, 2 * qr.grad[:, :, idx]), "dk": rel(kl.grad, 2 * kr.grad[:, :, idx]),

@@ -46,14 +46,6 @@ class ModelConfig:
     keep_attention: bool | Literal["auto"] = "auto"
 
 
-def keeps_attention(m: ModelConfig, sp_size: int, packing: bool) -> bool:
-    """Whether the layers' recompute reuses their attention: ``model.keep_attention`` true (``auto`` is
-    resolved per stage by the trainer through ``plan.estimate``; unresolved it keeps nothing), with
-    gradient checkpointing, under sequence parallelism or on one rank's unpacked sequences (packed
-    documents on one rank go through per-document SDPA, which keeps nothing)."""
-    return m.keep_attention is True and m.gradient_checkpointing and (sp_size > 1 or not packing)
-
-
 @dataclass
 class DataConfig:
     """Where samples come from. ``{bucket}`` and ``{split}`` are filled per stage."""

@@ -12,7 +12,7 @@ from longsft.train.common.compat import routes_attention
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import cache_dir, weights_source
 from longsft.train.common.model_files import reading_model
-from longsft.train.config.schema import ModelConfig, keeps_attention
+from longsft.train.config.schema import ModelConfig
 from longsft.train.model.layers import EXTENT, Extent, lean_layers, tile_mlps
 from longsft.train.model.loss import attach_fused_loss, logit_softcap
 from longsft.train.model.tied_head import deferrable
@@ -27,6 +27,14 @@ QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_st
                  "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
                  "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
                  "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def keeps_attention(m: ModelConfig, sp_size: int, packing: bool) -> bool:
+    """Whether the layers' recompute reuses their attention: ``model.keep_attention`` true (``auto`` is
+    resolved per stage by the trainer through ``plan.estimate``; unresolved it keeps nothing), with
+    gradient checkpointing, under sequence parallelism or on one rank's unpacked sequences (packed
+    documents on one rank go through per-document SDPA, which keeps nothing)."""
+    return m.keep_attention is True and m.gradient_checkpointing and (sp_size > 1 or not packing)
 
 
 def qwen_tokenizer():

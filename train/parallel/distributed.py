@@ -24,7 +24,8 @@ from longsft.train.common.compat import release_deepspeed_groups, set_deepspeed_
 from longsft.train.common.errors import ConfigError, same_on_every_rank, this_rank_only
 from longsft.train.common.io import say
 from longsft.train.parallel import comm, netif
-from longsft.train.parallel.attention import forget_groups, setup
+from longsft.train.parallel.attention import SPAttention, register
+from longsft.train.parallel.context import ONE_RANK, SequenceParallel
 
 
 @dataclass(frozen=True)
@@ -80,14 +81,21 @@ class ParallelDims:
 
 @dataclass
 class Dist:
-    """This process's place in the job and its groups."""
+    """This process's place in the job and its groups: ``sp``, its sequence-parallel context (group,
+    backend, kernel), and ``attention``, the attention entry bound to it (``with d.attention.active(...)``
+    around a forward)."""
 
     rank: int
     local_rank: int
     dims: ParallelDims
     device: torch.device
-    sp_group: object = None
+    sp: SequenceParallel = ONE_RANK
+    attention: SPAttention | None = None
     dp_group: object = None
+
+    @property
+    def sp_group(self):
+        return self.sp.group
 
     @property
     def world_size(self) -> int:
@@ -231,12 +239,12 @@ def _groups(dims: ParallelDims, rank: int, local_rank: int, device: torch.device
     for ranks in dims.sp_group_ranks():  # every rank creates every group, in the same order
         g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
-            d.sp_group = g
+            d.sp = SequenceParallel(g, tuple(ranks), ranks.index(rank), sp_backend, attention_kernel)
     for ranks in dims.dp_group_ranks():
         g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             d.dp_group = g
-    setup(d.sp_group, dims.sp_group_ranks()[d.dp_rank], rank, sp_backend, attention_kernel)
+    d.attention = register(d.sp)
     return d
 
 
@@ -267,10 +275,11 @@ def shutdown(failed: bool = False) -> None:
         _abort_process_group()
     else:
         dist.destroy_process_group()
-    # ... and let go of every reference to them (DeepSpeed's and the SP attention's): a group object
-    # alive at the interpreter's exit is torn down there, with the same SIGABRT
+    # ... and let go of every reference to them (DeepSpeed's, and transformers' registry's through the SP
+    # attention entry): a group object alive at the interpreter's exit is torn down there, same SIGABRT
     release_deepspeed_groups()
-    forget_groups()
+    if "transformers" in sys.modules:
+        register(ONE_RANK)
 
 
 def _free_port() -> int:

@@ -21,37 +21,38 @@ from __future__ import annotations
 import torch
 
 from longsft.train.parallel import comm
+from longsft.train.parallel.context import ONE_RANK, SequenceParallel
 from longsft.train.parallel.kernels import BlockKernel, block_bwd, block_fwd, block_kernel, merge_
-from longsft.train.parallel.layout import SP
 
 
-def _start_pass(tensors: list[torch.Tensor]) -> comm.Pending:
+def _start_pass(sp: SequenceParallel, tensors: list[torch.Tensor]) -> comm.Pending:
     """Start passing ``tensors`` to the next SP rank (receiving the previous rank's)."""
-    return comm.ring_shift_start(tensors, SP.ranks, SP.rank, SP.group)
+    return comm.ring_shift_start(tensors, sp.ranks, sp.rank, sp.group)
 
 
-def _blocks(kv: list[torch.Tensor]):
+def _blocks(sp: SequenceParallel, kv: list[torch.Tensor]):
     """Yield (step, [K, V(, doc ids)] of that step's source rank) around the ring. The next block's
     transfer starts before the current one is yielded, so it travels while the caller computes."""
-    for step in range(SP.size):
-        pending = _start_pass(kv) if step < SP.size - 1 else None
+    for step in range(sp.size):
+        pending = _start_pass(sp, kv) if step < sp.size - 1 else None
         yield step, kv
         if pending is not None:
             kv = pending.wait()
 
 
-def _plan(step: int, c: int, groups: int, kc, vc, docs, dc):
-    """This ring step's block for the zigzag layout (local chunks r and 2sp-1-r, each of length c).
+def block_plan(rank: int, size: int, step: int, c: int, groups: int, kc, vc, docs, dc):
+    """SP rank ``rank``'s block at ring ``step`` of ``size`` ranks, for the zigzag layout (local chunks
+    r and 2sp-1-r, each of length c).
 
     Returns (query rows, key columns, causal, K, V, block doc ids): own chunks are causal over
     [r ; 2sp-1-r] (already in position order); an earlier rank's chunk ``src`` is seen by every
     local query but its late twin by none; a later rank's two chunks are seen only by our late
     chunk. ``groups`` > 1: GQA heads are repeated here and folded back in the backward.
     """
-    src = (SP.rank - step) % SP.size
+    src = (rank - step) % size
     if step == 0:
         qs, ks, causal = slice(None), slice(None), True
-    elif src < SP.rank:
+    elif src < rank:
         qs, ks, causal = slice(None), slice(None, c), False
     else:
         qs, ks, causal = slice(c, None), slice(None), False
@@ -67,14 +68,14 @@ def _kv(k, v, docs) -> list[torch.Tensor]:
 
 class _ZigzagRing(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale, docs, kernel, kept):
+    def forward(ctx, q, k, v, scale, docs, kernel, kept, sp):
         # q [b, h, s, d]; k, v [b, hk, s, d]; s = 2c (two zigzag chunks); docs [b, s] or None
         # kept: (out, lse) of this very call, saved by the forward that a checkpoint now recomputes
         groups = 1 if kernel.gqa else q.shape[1] // k.shape[1]  # masked blocks run the CPU kernel: GQA too
         if kept is not None:
             out, lse = kept
-        elif SP.size == 1:  # one rank (keep_attention): its one causal block is the whole attention, no merge
-            _, _, causal, kk, vv, blk_docs = _plan(0, 0, groups, k, v, docs, docs)
+        elif sp.size == 1:  # one rank (keep_attention): its one causal block is the whole attention, no merge
+            _, _, causal, kk, vv, blk_docs = block_plan(0, 1, 0, 0, groups, k, v, docs, docs)
             out, lse = block_fwd(kernel, q, kk, vv, causal, scale, blk_docs)
             lse = lse.float()
         else:
@@ -84,9 +85,9 @@ class _ZigzagRing(torch.autograd.Function):
             # projection is then free, and that projection keeps the very tensor the backward keeps
             out = torch.empty(b, n, h, d, dtype=torch.float32, device=q.device).transpose(1, 2)
             lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-            for step, blk in _blocks(_kv(k, v, docs)):
+            for step, blk in _blocks(sp, _kv(k, v, docs)):
                 kc, vc, dc = (*blk, None)[:3]
-                qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
+                qs, ks, causal, kk, vv, blk_docs = block_plan(sp.rank, sp.size, step, c, groups, kc, vc, docs, dc)
                 blk_out, blk_lse = block_fwd(kernel, q if qs.start is None else late, kk, vv, causal, scale, blk_docs)
                 if step == 0:  # the causal diagonal: every row's first block (each row sees its own key)
                     out.copy_(blk_out)
@@ -95,30 +96,30 @@ class _ZigzagRing(torch.autograd.Function):
                     merge_(out[:, :, qs], lse[:, :, qs], blk_out, blk_lse)
             out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, docs)
-        ctx.scale, ctx.kernel, ctx.groups = scale, kernel, groups
+        ctx.scale, ctx.kernel, ctx.groups, ctx.sp = scale, kernel, groups, sp
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, docs = ctx.saved_tensors
-        scale, kernel, groups, c = ctx.scale, ctx.kernel, ctx.groups, q.shape[2] // 2
+        scale, kernel, groups, sp, c = ctx.scale, ctx.kernel, ctx.groups, ctx.sp, q.shape[2] // 2
         # the kernels' inputs in one layout on every call (cuDNN caches its backward graph by q/k/v
         # strides alone), each made once: the whole rows, and the late chunk's rows
         whole = (dout.contiguous(), q, out.contiguous(), lse.contiguous())
-        if SP.size == 1:  # one rank: one kernel call, its gradients as they come
-            _, _, causal, kk, vv, blk_docs = _plan(0, 0, groups, k, v, docs, docs)
+        if sp.size == 1:  # one rank: one kernel call, its gradients as they come
+            _, _, causal, kk, vv, blk_docs = block_plan(0, 1, 0, 0, groups, k, v, docs, docs)
             dq, dk, dv = block_bwd(kernel, *whole[:2], kk, vv, *whole[2:], causal, scale, blk_docs)
             dk, dv = _fold(dk, groups), _fold(dv, groups)
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
         late = tuple(t[:, :, c:].contiguous() for t in whole)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
                torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
         travelling = None  # the dK/dV accumulators of the block we hold, on their way from the previous rank
-        for step, blk in _blocks(_kv(k, v, docs)):
+        for step, blk in _blocks(sp, _kv(k, v, docs)):
             kc, vc, dc = (*blk, None)[:3]
-            qs, ks, causal, kk, vv, blk_docs = _plan(step, c, groups, kc, vc, docs, dc)
+            qs, ks, causal, kk, vv, blk_docs = block_plan(sp.rank, sp.size, step, c, groups, kc, vc, docs, dc)
             dout_b, q_b, out_b, lse_b = whole if qs.start is None else late
             dq_b, dk_b, dv_b = block_bwd(kernel, dout_b, q_b, kk, vv, out_b, lse_b, causal, scale, blk_docs)
             dq[:, :, qs].add_(dq_b)  # in place on the view (an indexed += would copy it back onto itself)
@@ -127,9 +128,9 @@ class _ZigzagRing(torch.autograd.Function):
                 dkv = travelling.wait()
             dkv[0][:, :, ks].add_(dk_b)
             dkv[1][:, :, ks].add_(dv_b)
-            travelling = _start_pass(dkv)  # after the last pass they are home
+            travelling = _start_pass(sp, dkv)  # after the last pass they are home
         dk, dv = travelling.wait()
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
@@ -138,8 +139,9 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def zigzag_ring(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None,
-                kernel: BlockKernel | None = None, kept: tuple | None = None) -> tuple[torch.Tensor, tuple]:
-    """Causal attention of zigzag-sharded q/k/v across the SP group: (out [b, h, s_local, d], kept).
+                kernel: BlockKernel | None = None, kept: tuple | None = None,
+                sp: SequenceParallel = ONE_RANK) -> tuple[torch.Tensor, tuple]:
+    """Causal attention of zigzag-sharded q/k/v across ``sp``'s group: (out [b, h, s_local, d], kept).
 
     ``doc_ids`` [b, s_local]: packed documents; a token only sees earlier tokens of its document.
     ``kernel``: the block kernel (default: :func:`block_kernel` for q's device and dtype).
@@ -148,13 +150,13 @@ def zigzag_ring(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | Non
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    kernel = kernel or block_kernel(q.device.type, q.dtype, SP.kernel, q.shape[-1])
+    kernel = kernel or block_kernel(q.device.type, q.dtype, sp.kernel, q.shape[-1])
     docs = None if doc_ids is None else doc_ids.contiguous()
-    out, lse = _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs, kernel, kept)
+    out, lse = _ZigzagRing.apply(q.contiguous(), k.contiguous(), v.contiguous(), scale, docs, kernel, kept, sp)
     return out, (out.detach(), lse.detach())
 
 
 def zigzag_ring_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None,
-                          kernel: BlockKernel | None = None) -> torch.Tensor:
+                          kernel: BlockKernel | None = None, sp: SequenceParallel = ONE_RANK) -> torch.Tensor:
     """:func:`zigzag_ring`'s output alone. [b, h, s_local, d]"""
-    return zigzag_ring(q, k, v, scale, doc_ids, kernel)[0]
+    return zigzag_ring(q, k, v, scale, doc_ids, kernel, sp=sp)[0]

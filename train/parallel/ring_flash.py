@@ -15,7 +15,7 @@ import torch
 from longsft.train.common.compat import import_bare
 from longsft.train.config.backends import check_backend
 from longsft.train.parallel import comm
-from longsft.train.parallel.layout import SP
+from longsft.train.parallel.context import Documents, SequenceParallel
 
 
 def ring_flash_module(name: str = "zigzag_ring_flash_attn"):
@@ -31,39 +31,41 @@ def ring_flash_module(name: str = "zigzag_ring_flash_attn"):
     return import_bare("ring_flash_attn", name, "ring-flash-attn")
 
 
-def ring_flash_attention(q, k, v, scale: float | None = None, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """ring-flash-attn on flash-attn kernels (GPU). [b, h, s_local, d] -> same.
+def ring_flash_attention(sp: SequenceParallel, q, k, v, scale: float | None = None,
+                         docs: Documents | None = None) -> torch.Tensor:
+    """ring-flash-attn on flash-attn kernels (GPU), over ``sp``'s group. [b, h, s_local, d] -> same.
 
-    Unpacked: its zigzag ring on the zigzag shards of :func:`shard_batch`. Packed (``doc_ids``
-    [b, s_local]): its llama3 varlen function on contiguous shards (see :func:`layout`): K/V are
+    Unpacked: its zigzag ring on the zigzag shards of :func:`shard_batch`. Packed (``docs``, ids
+    [b, s_local]): its llama3 varlen function on contiguous shards (``SequenceParallel.layout``): K/V are
     all-gathered and each document attends causally within itself. flash-attn's layout is
     [b, s, h, d] ([tokens, h, d] for varlen); grouped K/V heads are passed as they are.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if doc_ids is None:
+    if docs is None:
         ring = ring_flash_module().zigzag_ring_flash_attn_func
         return ring(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=0.0, softmax_scale=scale,
-                    causal=True, group=SP.group).transpose(1, 2)
+                    causal=True, group=sp.group).transpose(1, 2)
     llama3 = ring_flash_module("llama3_flash_attn_varlen")
     rows = []
-    for b, (cu_q, cu_k, max_q, max_k, k_slice) in enumerate(_varlen_plans(doc_ids, llama3)):
+    for b, (cu_q, cu_k, max_q, max_k, k_slice) in enumerate(_varlen_plans(sp, docs, llama3)):
         out = llama3.llama3_flash_attn_varlen_func(
             q[b].transpose(0, 1), k[b].transpose(0, 1).contiguous(), v[b].transpose(0, 1).contiguous(), cu_q, cu_k,
             max_q, max_k, heads_k_stride=k.shape[1], local_k_slice=k_slice, softmax_scale=scale, causal=True,
-            group=SP.group)
+            group=sp.group)
         rows.append(out.transpose(0, 1))  # [s_local, h, d] -> [h, s_local, d]
     return torch.stack(rows)
 
 
-def _varlen_plans(doc_ids: torch.Tensor, llama3) -> list[tuple]:
-    """Per row: this rank's cu_seqlens for q and k, max lengths and the K slice (cached per batch)."""
-    if SP.varlen[0] is doc_ids:
-        return SP.varlen[1]
-    full = torch.cat(comm.all_gather(doc_ids, SP.group), dim=1)  # contiguous shards: rank order is position order
+def _varlen_plans(sp: SequenceParallel, docs: Documents, llama3) -> list[tuple]:
+    """Per row: this rank's cu_seqlens for q and k, max lengths and the K slice (made once per batch, kept
+    on ``docs``)."""
+    if docs.varlen is not None:
+        return docs.varlen
+    full = torch.cat(comm.all_gather(docs.ids, sp.group), dim=1)  # contiguous shards: rank order is position order
     plans = []
     for row in full:
         bounds = [0, *(torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist(), row.numel()]
-        cu = torch.tensor(bounds, dtype=torch.int32, device=doc_ids.device)
-        plans.append(llama3.llama3_flash_attn_prepare_cu_seqlens(cu, True, SP.rank, SP.size))
-    SP.varlen = (doc_ids, plans)
+        cu = torch.tensor(bounds, dtype=torch.int32, device=docs.ids.device)
+        plans.append(llama3.llama3_flash_attn_prepare_cu_seqlens(cu, True, sp.rank, sp.size))
+    docs.varlen = plans
     return plans

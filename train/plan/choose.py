@@ -9,7 +9,8 @@ import copy
 from dataclasses import dataclass
 
 from longsft.train.common.errors import ConfigError
-from longsft.train.config.schema import RunConfig, StageConfig, keeps_attention
+from longsft.train.config.schema import RunConfig, StageConfig
+from longsft.train.model.build import keeps_attention
 from longsft.train.plan.cost import Estimate, estimate
 from longsft.train.plan.hardware import GIB, Hardware, this_job
 from longsft.train.plan.shape import Shape

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from longsft.train.config.schema import ModelConfig, keeps_attention
+from longsft.train.config.schema import ModelConfig
 from longsft.train.data.batching import Row, StepSampler, collate
+from longsft.train.model.build import keeps_attention
 from longsft.train.model.loss import backward_scale, token_loss_sum
 from longsft.train.parallel import comm
-from longsft.train.parallel.attention import active
 from longsft.train.parallel.distributed import Dist
-from longsft.train.parallel.layout import layout, shard_batch
+from longsft.train.parallel.layout import shard_batch
 
 
 def n_targets(row: Row) -> int:
@@ -30,13 +30,13 @@ def n_targets(row: Row) -> int:
 def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
     """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
 
-    ``doc_ids`` stays in the batch only for packed rows (for :func:`active`).
+    ``doc_ids`` stays in the batch only for packed rows (for ``d.attention.active``).
     """
     batch = collate(rows, pad_id)
     tokens = int(batch["attention_mask"].sum())
     if not packing:
         batch.pop("doc_ids")
-    batch = shard_batch(batch, d.dims.sp_size, d.sp_rank, pad_id, layout(packing))
+    batch = shard_batch(batch, d.sp, pad_id, packing)
     return {k: v.to(d.device) for k, v in batch.items()}, tokens
 
 
@@ -64,7 +64,8 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
     loss_sum, tokens, targets = None, 0, []
     for k, idx in enumerate(micro):
         batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing)
-        with active(doc_ids=batch.pop("doc_ids", None), keep_attention=keeps_attention(model_cfg, d.dims.sp_size, packing)):
+        keep = keeps_attention(model_cfg, d.sp.size, packing)
+        with d.attention.active(doc_ids=batch.pop("doc_ids", None), keep_attention=keep):
             loss, n = token_loss_sum(engine, batch, model_cfg.loss_chunk_tokens, model_cfg.offload_activations,
                                      model_cfg.loss_kernel)
             engine.backward(loss * scale)
