@@ -86,21 +86,43 @@ class HFBackend:
             return list(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                      return_dict=False, enable_thinking=thinking))
 
+    def encode_text(self, prompt: str) -> list[int]:
+        """A plain prompt's token ids (no chat template), as the tokenizer encodes text."""
+        with self._tok_lock:
+            return list(self.tok.encode(prompt))
+
+    def decode(self, ids: list[int]) -> str:
+        with self._tok_lock:
+            return self.tok.decode(ids, skip_special_tokens=True)
+
     def generate_ids(self, ids: list[int], max_new_tokens: int | None = None, temperature: float = 0.0,
-                     top_p: float = 1.0, seed: int | None = None) -> Generation:
-        """The reply to prompt token ids: greedy at temperature 0, else sampled (``seed``: repeatable)."""
+                     top_p: float = 1.0, seed: int | None = None, on_token=None, should_stop=None) -> Generation:
+        """The reply to prompt token ids: greedy at temperature 0, else sampled (``seed``: repeatable).
+        ``on_token(id)``: called with each new token as it is made (streaming); ``should_stop()``: checked
+        after each token, true ends the generation there (a client that went away)."""
         import torch
 
         t0, limit = time.time(), max_new_tokens or self.max_new_tokens
         sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0
                     else {"do_sample": False})
+        hooks = {}
+        if on_token is not None:
+            hooks["streamer"] = _TokenStream(on_token)
+        if should_stop is not None:
+            from transformers import StoppingCriteria, StoppingCriteriaList
+
+            class _Stop(StoppingCriteria):
+                def __call__(self, input_ids, scores, **kwargs):
+                    return torch.full((input_ids.shape[0],), should_stop(), dtype=torch.bool, device=input_ids.device)
+
+            hooks["stopping_criteria"] = StoppingCriteriaList([_Stop()])
         x = torch.tensor([ids], device=self.device)
         with torch.no_grad():
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=limit,
                                       use_cache=True, pad_token_id=self.tok.pad_token_id,
-                                      eos_token_id=self.tok.eos_token_id, **sampling)
+                                      eos_token_id=self.tok.eos_token_id, **sampling, **hooks)
         new = out[0, x.shape[1]:].tolist()
         with self._tok_lock:
             text = self.tok.decode(new, skip_special_tokens=True)
@@ -131,6 +153,24 @@ class HFBackend:
         return [Generation(text, len(i), len(o), share,
                            finish_reason="length" if len(o) >= self.max_new_tokens and (not o or o[-1] not in eos)
                            else "stop") for text, i, o in zip(texts, ids, outs)]
+
+
+class _TokenStream:
+    """transformers' streamer interface (``put``/``end``): each new token id to ``on_token`` (the first
+    ``put`` is the prompt)."""
+
+    def __init__(self, on_token):
+        self.on_token, self.prompt_seen = on_token, False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        for t in value.reshape(-1).tolist():
+            self.on_token(t)
+
+    def end(self) -> None:
+        pass
 
 
 def vllm_engine_args(model_cfg, max_model_len: int = 0, tensor_parallel: int = 1) -> dict:

@@ -1,5 +1,6 @@
-"""`longsft serve` under a bounded abuse test on loopback: oversized and malformed bodies, stalled and slow
-connections, a huge max_tokens beside small requests, keys, bad settings and a port in use; real tiny model."""
+"""`longsft serve` as the `openai` SDK uses it (chat and completions, whole and streamed), and under a bounded
+abuse test on loopback: oversized and malformed bodies, stalled and slow connections, a full queue, a huge
+max_tokens beside small requests, keys, bad settings and a port in use; real tiny model."""
 
 import http.client
 import json
@@ -113,7 +114,7 @@ MALFORMED = [b"not json", b"\xff\xfe\x00garbage", b"[1, 2]", b'"hi"', b"{}", b'{
              *(json.dumps(dict(HI, **kw)).encode() for kw in [
                  {"max_tokens": "abc"}, {"max_tokens": 0}, {"max_tokens": -5}, {"max_tokens": 2.5},
                  {"max_tokens": True}, {"max_completion_tokens": "x"}, {"temperature": "hot"}, {"temperature": -1},
-                 {"temperature": 9}, {"top_p": 0}, {"top_p": 2}, {"seed": -1}, {"seed": "s"}, {"stream": True},
+                 {"temperature": 9}, {"top_p": 0}, {"top_p": 2}, {"seed": -1}, {"seed": "s"}, {"stream": "yes"},
                  {"n": 3}, {"stop": ["\n"]}, {"tools": [{"type": "function"}]}]),
              b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1e999}',
              b"[" * 100_000]
@@ -126,12 +127,13 @@ def test_every_malformed_request_gets_a_json_error_and_the_server_keeps_answerin
             assert status == 400 and r["error"]["type"] == "invalid_request_error" and r["error"]["message"], body
         assert call(server, "POST", "/v1/nope")[0] == 404
         assert call(server, "GET", "/v2/models", None)[0] == 404
-        assert call(server, "DELETE", CHAT, None)[0] == 501
+        status, r = call(server, "DELETE", CHAT, None)
+        assert status == 405 and r["error"]["code"] == "method_not_allowed"
         for bad in [b"GARBAGE\r\n\r\n", b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: ten\r\n\r\n",
-                    b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-                    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 50\r\n\r\n{}"]:  # short, then EOF
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{}"]:  # short, EOF
             head, _, body = raw(server, bad).partition(b"\r\n\r\n")
-            assert head.split()[1] in (b"400", b"408", b"411") and "error" in json.loads(body), bad
+            assert head.split()[1] == b"400" and "error" in json.loads(body), (bad, head, body)
         assert call(server)[0] == 200
 
 
@@ -153,7 +155,8 @@ def test_oversized_body_is_refused_before_it_is_read(backend, model):
 
 
 def test_stalled_and_slow_connections_hold_no_threads_and_are_dropped(backend, model):
-    with running(backend, model, workers=2, timeout=1.0, max_pending=40) as server:
+    with running(backend, model, timeout=1.0, max_pending=40) as server:
+        assert call(server)[0] == 200  # the model's thread exists from the first request on
         threads = threading.active_count()
         addr = ("127.0.0.1", server.server_address[1])
         stalled = [socket.create_connection(addr, timeout=5) for _ in range(60)]  # connect, never send
@@ -161,7 +164,7 @@ def test_stalled_and_slow_connections_hold_no_threads_and_are_dropped(backend, m
         for s in slow:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
         t0 = time.monotonic()
-        assert call(server, timeout=10)[0] == 200  # waits for a worker at most one timeout
+        assert call(server, timeout=10)[0] == 200  # answered beside them at once
         assert time.monotonic() - t0 < 3
         assert threading.active_count() == threads  # 62 open connections, not one thread more
         t0 = time.monotonic()
@@ -175,23 +178,65 @@ def test_stalled_and_slow_connections_hold_no_threads_and_are_dropped(backend, m
         assert call(server)[0] == 200
 
 
-def test_requests_beyond_the_queue_get_503_and_the_queue_drains(backend, model):
-    with running(backend, model, workers=1, max_queue=1, timeout=1.5) as server:
-        addr = ("127.0.0.1", server.server_address[1])
-        with socket.create_connection(addr, timeout=5) as hog:
-            hog.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")  # holds the only worker until its deadline
-            until(lambda: len(server._reading) == 1)
-            with ThreadPoolExecutor(1) as pool:
-                queued = pool.submit(call, server)  # waits in the queue
-                until(lambda: server._ready.qsize() == 1)
-                t0 = time.monotonic()
-                status, r = call(server)
-                assert status == 503 and r["error"]["type"] == "server_error" and time.monotonic() - t0 < 1
-                assert queued.result()[0] == 200
+def test_requests_beyond_the_queue_get_503_and_the_queue_drains(backend, model, monkeypatch):
+    """One request generates (held here), ``max_queue`` wait behind it, the next is refused at once."""
+    release, started = threading.Event(), threading.Event()
+    real = backend.generate_ids
+
+    def held(*a, **k):
+        started.set()
+        release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(backend, "generate_ids", held)
+    with running(backend, model, max_queue=1) as server:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(call, server)
+            assert started.wait(10)
+            queued = pool.submit(call, server)
+            until(lambda: server.app.model.admitted == 2)
+            t0 = time.monotonic()
+            status, r = call(server)
+            assert status == 503 and r["error"]["type"] == "server_error" and time.monotonic() - t0 < 1
+            release.set()
+            assert first.result()[0] == 200 and queued.result()[0] == 200
+        assert server.app.model.admitted == 0 and call(server)[0] == 200
+
+
+def test_the_openai_sdk_gets_chat_and_completions_whole_and_streamed(backend, model):
+    """What clients use: models, chat and completions through the real ``openai`` SDK, ``stream=True`` giving
+    the same text as the whole reply (greedy), the usage chunk when asked, and a stream left early stops."""
+    import openai
+
+    with running(backend, model, max_new_tokens=24) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list()] == [model.name]
+        messages = [{"role": "user", "content": "Name a colour."}]
+        whole = client.chat.completions.create(model="x", messages=messages, max_tokens=12)
+        text = whole.choices[0].message.content
+        assert whole.object == "chat.completion" and whole.usage.completion_tokens <= 12 and text
+        chunks = list(client.chat.completions.create(model="x", messages=messages, max_tokens=12, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant" and all(c.object == "chat.completion.chunk" for c in chunks)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+        done = client.completions.create(model="x", prompt="Once upon a time", max_tokens=10)
+        assert done.object == "text_completion" and done.usage.completion_tokens <= 10
+        streamed = list(client.completions.create(model="x", prompt="Once upon a time", max_tokens=10, stream=True))
+        assert "".join(c.choices[0].text for c in streamed) == done.choices[0].text
+        with pytest.raises(openai.BadRequestError, match="max_new_tokens"):
+            client.completions.create(model="x", prompt="hi", max_tokens=25, stream=True)
+        stream = client.chat.completions.create(model="x", messages=messages, max_tokens=24, stream=True)
+        next(iter(stream))
+        stream.close()  # the client leaves: the generation stops, the model is free again
+        until(lambda: server.app.model.admitted == 0)
+        assert client.chat.completions.create(model="x", messages=messages, max_tokens=2).choices
+
 
 def test_huge_max_tokens_is_refused_and_a_full_one_does_not_starve_small_ones(backend, model):
     big = {"messages": [{"role": "user", "content": "Tell a story."}], "max_tokens": 64}
-    with running(backend, model, max_new_tokens=64, workers=8) as server:
+    with running(backend, model, max_new_tokens=64) as server:
         t0 = time.monotonic()
         status, r = call(server, body=dict(big, max_tokens=10 ** 9))
         assert status == 400 and "max_new_tokens" in r["error"]["message"] and time.monotonic() - t0 < 1
@@ -245,7 +290,7 @@ def test_port_in_use_exits_2_before_the_model_loads(model, capsys, monkeypatch):
 
 @pytest.mark.parametrize("arg, says", [("port=70000", "port=70000"), ("port=-1", "port=-1"),
                                        ("max_body_bytes=-1", "max_body_bytes"), ("max_new_tokens=0", "max_new_tokens"),
-                                       ("timeout=0", "timeout"), ("workers=0", "workers"),
+                                       ("timeout=0", "timeout"),
                                        ("max_queue=-3", "max_queue"),
                                        ("max_pending=0", "max_pending"), ("temperature=3", "temperature"),
                                        ("dtype=fp16", "dtype"), ("api_key=", "api_key"), ("portt=1", "port"),
