@@ -40,7 +40,7 @@ def main() -> None:
     score_items(items, bootstrap=2000)
     t_boot = time.perf_counter() - t0
     # the whole path a user runs: score two eval runs (files written), Table 4 report, paired comparison
-    from longsft.eval.harness import EvalConfig, _score
+    from longsft.eval.harness import EvalConfig, eval_summary
     from longsft.eval.report import compare, eval_tables
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +51,7 @@ def main() -> None:
             rows = [{"id": it.id, "prediction": rng.choice(TEMPLATES).format(s=rng.randint(0, 5)),
                      "gold_score": it.gold_score, "bucket": it.bucket, "language": it.language, "types": [],
                      "error": None, "prompt_tokens": 0, "gen_tokens": 0} for it in items]
-            _score(cfg, len(rows), [rows], None)
+            eval_summary(cfg, len(rows), [rows], None)
             runs.append(Path(tmp) / name)
             eval_tables(runs[-1:], Path(tmp) / f"report_{name}")
             times.append(time.perf_counter() - t0)

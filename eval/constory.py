@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.eval.harness import EvalConfig, OutputDir, _Lazy, check_model, make_backend, model_name
+from longsft.eval.harness import EvalConfig, OutputDir, LoadedOnFirstUse, check_model, make_backend, model_name
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import (
@@ -539,7 +539,7 @@ def main(argv: list[str]) -> int:
         _check_stories_out(out, cfg.model)
         with OutputDir(out) as made:
             cache = made.cache = AppendCache(out / "generations.jsonl")
-            backend = _Lazy(lambda: _backend(cfg, cfg.model))
+            backend = LoadedOnFirstUse(lambda: _backend(cfg, cfg.model))
             stories = []
             for p in prompts:
                 ask = f"{p['prompt']}\n\n(Write about {cfg.target_words} words.)"
@@ -563,7 +563,7 @@ def main(argv: list[str]) -> int:
         with OutputDir(out) as made:
             atomic_write_json(out / "check.json", ident)
             cache = made.cache = AppendCache(out / "judge_cache.jsonl")
-            backend = _Lazy(lambda: _backend(cfg, cfg.judge))
+            backend = LoadedOnFirstUse(lambda: _backend(cfg, cfg.judge))
             reports = []
             for s in stories:
                 judge = Judge(backend, cache, f"{cfg.judge}:{cfg.backend}")

@@ -236,7 +236,7 @@ def generation_key(cfg: EvalConfig, prompt: str, repeat: int) -> str:
     return answer_key(json.dumps(settings, sort_keys=True), prompt)
 
 
-class _Lazy:
+class LoadedOnFirstUse:
     """The backend, loaded on first use (a fully cached rerun never loads the model)."""
 
     def __init__(self, make):
@@ -248,7 +248,7 @@ class _Lazy:
         return self.obj
 
 
-def _generate(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, sid: str, prompt: str, r: int) -> dict:
+def _generate(cfg: EvalConfig, cache: AppendCache, backend: LoadedOnFirstUse, sid: str, prompt: str, r: int) -> dict:
     """The cached record for (prompt, repeat r), generating it when missing or failed before."""
     key = generation_key(cfg, prompt, r)
     if cache.get(key) is None:
@@ -258,7 +258,7 @@ def _generate(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, sid: str, pro
     return cache.latest(key)
 
 
-def _generate_batched(cfg: EvalConfig, cache: AppendCache, backend: _Lazy, samples: list, r: int) -> None:
+def _generate_batched(cfg: EvalConfig, cache: AppendCache, backend: LoadedOnFirstUse, samples: list, r: int) -> None:
     """Repeat ``r``'s missing answers generated together, in the HF backend's batches (``batch_tokens``),
     into the cache the item loop then reads; nothing for other backends or one prompt at a time."""
     if cfg.backend != "hf" or cfg.batch_tokens == 0:
@@ -317,7 +317,7 @@ class OutputDir:
 def _run(cfg: EvalConfig, samples: list, cache: AppendCache) -> dict:
     from tqdm import tqdm
 
-    backend = _Lazy(lambda: make_backend(cfg))
+    backend = LoadedOnFirstUse(lambda: make_backend(cfg))
     rag = RagMethod(cfg) if cfg.method == "rag" else None
     bar = tqdm(total=cfg.repeats * len(samples), desc=f"eval {cfg.run_name}", unit="item", disable=not cfg.progress,
                dynamic_ncols=True)
@@ -342,7 +342,7 @@ def _run(cfg: EvalConfig, samples: list, cache: AppendCache) -> dict:
             bar.update()
         per_repeat.append(rows)
     bar.close()
-    return _score(cfg, len(samples), per_repeat, rag.stats() if rag else None)
+    return eval_summary(cfg, len(samples), per_repeat, rag.stats() if rag else None)
 
 
 class RagMethod:
@@ -404,7 +404,7 @@ def score_repeats(out: Path, per_repeat: list[list[dict]], policy: str, bootstra
     return repeats, mean
 
 
-def _score(cfg: EvalConfig, n: int, per_repeat: list[list[dict]], rag: dict | None) -> dict:
+def eval_summary(cfg: EvalConfig, n: int, per_repeat: list[list[dict]], rag: dict | None) -> dict:
     out = cfg.out_path
     rows = [x for repeat in per_repeat for x in repeat]
     gen = {"prompt_tokens": sum(x["prompt_tokens"] for x in rows), "gen_tokens": sum(x["gen_tokens"] for x in rows),

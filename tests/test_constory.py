@@ -10,7 +10,7 @@ from llm_server import Server
 
 from longsft.eval.backends import OpenAIBackend
 from longsft.eval.constory import Judge, _windows, check_story, count_words, fractional_ranks, metrics, paragraphs
-from longsft.eval.harness import _Lazy
+from longsft.eval.harness import LoadedOnFirstUse
 from longsft.train.common.cache import AppendCache
 
 FILLER_EN = "The rain kept falling on the old town, and the river rose a little more each night."
@@ -42,7 +42,7 @@ def server():
 
 
 def _judge(server, tmp_path):
-    backend = _Lazy(lambda: OpenAIBackend("constory-judge", server.url, 512, retries=0))
+    backend = LoadedOnFirstUse(lambda: OpenAIBackend("constory-judge", server.url, 512, retries=0))
     return Judge(backend, AppendCache(tmp_path / "cache.jsonl"), "constory-judge")
 
 

@@ -170,10 +170,10 @@ def test_stop_request_by_signal_or_file(tmp_path):
     import os
     import signal
 
-    from longsft.train.training.preempt import STOP_FILE, StopWatch
+    from longsft.train.training.preempt import STOP_FILE, StopRequests
 
     before = signal.getsignal(signal.SIGINT)  # pytest's Ctrl-C handler (ignored under a backgrounding shell)
-    watch = StopWatch(tmp_path, is_main=True)
+    watch = StopRequests(tmp_path, is_main=True)
     assert not watch.requested()
     os.kill(os.getpid(), signal.SIGUSR1)
     assert watch.requested()
@@ -183,7 +183,7 @@ def test_stop_request_by_signal_or_file(tmp_path):
     assert watch.requested()
     watch.consume()
     assert not (tmp_path / STOP_FILE).exists() and not watch.requested()
-    other = StopWatch(tmp_path, is_main=False)  # only rank 0 reads the file
+    other = StopRequests(tmp_path, is_main=False)  # only rank 0 reads the file
     (tmp_path / STOP_FILE).touch()
     assert not other.requested()
     other.close(), watch.close()
@@ -196,10 +196,10 @@ def test_ctrl_c_and_sigterm_are_stop_requests(tmp_path, capsys, sig):
     import os
     import signal
 
-    from longsft.train.training.preempt import StopWatch
+    from longsft.train.training.preempt import StopRequests
 
     before = signal.getsignal(signal.SIGINT)  # Python's Ctrl-C handler, or SIG_IGN under `nohup make test &`
-    watch = StopWatch(tmp_path, is_main=True)
+    watch = StopRequests(tmp_path, is_main=True)
     try:
         os.kill(os.getpid(), getattr(signal, sig))
         assert watch.requested()

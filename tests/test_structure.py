@@ -146,6 +146,26 @@ def test_the_packages_stack_train_eval_launch():
         assert max(by_package[low]) < min(by_package[high]), f"{TABLE.name}: {high}'s rooms must sit above {low}'s"
 
 
+def private_imports(sources: dict[str, str]) -> list[str]:
+    """``from longsft.X import _name`` in ``sources`` (name -> text): a private name used outside its module."""
+    found = []
+    for name, src in sources.items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("longsft."):
+                found += [f"{name}:{node.lineno} imports {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_used_outside_its_module():
+    """The package and the benchmarks import only public names (tests may reach inside)."""
+    bench = {str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / "bench").glob("*.py"))}
+    wrong = private_imports({**modules(), **bench})
+    assert not wrong, "private names imported across modules (make them public, with a name that says what they are):\n" \
+        + "\n".join(wrong)
+    assert private_imports({"x": "from longsft.train.parallel.ring import _plan\n"})  # the check can fail
+
+
 def test_the_checks_can_fail():
     """A planted upward import, planted cycles (two modules; two rooms; two packages), a relative import, a
     module the table does not list and a table row that names a missing module are all caught."""

@@ -1,11 +1,22 @@
-"""The two errors a user sees as one line (exit 2): bad configuration and bad input data."""
+"""The errors a user sees as one line, each with its exit status: one base, :class:`LongsftError`, so that the
+command line has one ``except`` for them (bad configuration and bad input data exit 2; the training loop's
+own, in ``train/training``, 3 or the stop status)."""
 
 
-class ConfigError(ValueError):
+class LongsftError(Exception):
+    """An error the command line says in one line (no traceback) and exits with :meth:`exit_status`."""
+
+    exit_code = 2
+
+    def exit_status(self) -> int:
+        return self.exit_code
+
+
+class ConfigError(LongsftError, ValueError):
     """A recipe or override is invalid; the message names the key and where it came from."""
 
 
-class DataError(ValueError):
+class DataError(LongsftError, ValueError):
     """Bad input data; the message names the file and line."""
 
 

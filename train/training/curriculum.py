@@ -23,7 +23,7 @@ from longsft.train.data.token_cache import ensure_all
 from longsft.train.datagen.sample_data import write_sample_data
 from longsft.train.model.build import build_hf_config, build_tokenizer, check_attention_quirks
 from longsft.train.parallel import comm, distributed
-from longsft.train.training.preempt import StopWatch
+from longsft.train.training.preempt import StopRequests
 from longsft.train.training.report import write_report
 from longsft.train.training.rundir import check_run_dir, read_state
 from longsft.train.training.tracker import Tracker
@@ -266,7 +266,7 @@ def _run(cfg: RunConfig, d: distributed.Dist, kernel: str) -> dict:
         if d.is_main:
             atomic_write_json(run_dir / "state.json", state)
 
-    stop = StopWatch(run_dir, d.is_main)
+    stop = StopRequests(run_dir, d.is_main)
     init_from = None
     t0 = time.time()
     try:

@@ -8,22 +8,28 @@ rank saves the same step.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from longsft.train.common.errors import LongsftError
 from longsft.train.parallel import comm
 
 STOP_FILE = "STOP"
 EXIT_STOPPED = 75  # EX_TEMPFAIL: checkpointed, run the same command again to continue
 
 
-class StopRequested(RuntimeError):
-    """The run checkpointed and stopped on request; rerunning the same command resumes it."""
+class StopRequested(LongsftError, RuntimeError):
+    """The run checkpointed and stopped on request; rerunning the same command resumes it. Exit status
+    :data:`EXIT_STOPPED`, but 0 under torchrun (which would report 75 as a failure; ``longsft status`` tells)."""
+
+    def exit_status(self) -> int:
+        return 0 if "TORCHELASTIC_RUN_ID" in os.environ else EXIT_STOPPED
 
 
-class StopWatch:
+class StopRequests:
     """Watches for a stop request; :meth:`requested` is collective (call it on every rank).
 
     Ctrl-C (SIGINT) and SIGTERM are stop requests too: the run checkpoints at the end of the

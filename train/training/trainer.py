@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from longsft.train.common.errors import ConfigError, same_on_every_rank
+from longsft.train.common.errors import ConfigError, LongsftError, same_on_every_rank
 from longsft.train.common.io import write_jsonl
 from longsft.train.config.deepspeed import build_ds_config
 from longsft.train.config.schema import RunConfig
@@ -22,18 +22,22 @@ from longsft.train.parallel.distributed import Dist
 from longsft.train.plan.choose import choose
 from longsft.train.training import checkpoint
 from longsft.train.training.engine import build_engine
-from longsft.train.training.preempt import StopRequested, StopWatch
+from longsft.train.training.preempt import StopRequested, StopRequests
 from longsft.train.training.step import n_targets, train_step
 from longsft.train.training.tracker import Tracker, peak_memory_gb
 from longsft.train.training.validation import is_better, run_validation
 
 
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss); the run directory keeps the last good state."""
+class TrainingError(LongsftError, RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the run directory keeps the last good state. Exit 3."""
+
+    exit_code = 3
 
 
 class SaveError(TrainingError):
-    """A checkpoint could not be written (disk full, quota...); raised by the rank that failed."""
+    """A checkpoint could not be written (disk full, quota...); raised by the rank that failed (said by it)."""
+
+    this_rank_only = True
 
 
 class StageTrainer:
@@ -43,7 +47,7 @@ class StageTrainer:
     """
 
     def __init__(self, cfg: RunConfig, index: int, d: Dist, tokenizer, tracker: Tracker, state: dict,
-                 save_state, init_from: str | None, stop: StopWatch | None = None):
+                 save_state, init_from: str | None, stop: StopRequests | None = None):
         self.cfg, self.stage, self.d, self.tok = cfg, cfg.stages[index], d, tokenizer
         self.tracker, self.state, self.save_state, self.init_from = tracker, state, save_state, init_from
         self.stop = stop
