@@ -159,3 +159,28 @@ def test_mma_takes_a_prose_summary_as_the_summary(tmp_path):
     with pytest.raises(LLMError, match="empty summary after 2 tries"):
         ask_summary(gen, "p3", 1, cache)
     assert ask_summary(gen, "p1", 1, cache).strip() == "The knight rides north." and len(asked) == 4  # cached
+
+
+def test_mma_reads_judgements_with_the_shared_scorers_parser(tmp_path):
+    """A judge that states its score in prose (a small model) is read as evaluation reads the trained models
+    (JSON, or a score in the text); a reply without an integer score is re-asked, then dropped; cached."""
+    from types import SimpleNamespace
+
+    from longsft.train.common.cache import AppendCache
+    from longsft.train.common.llm import LLMError
+    from longsft.train.datagen.mma import ask_judgement
+
+    replies = iter(["The summary invents a duel. Score: 1", '{"score": 4, "reason": "faithful"}', "no idea",
+                    "Score: 2.5", "I cannot tell."])
+    asked = []
+    judge = SimpleNamespace(model="j", base_url="http://x/v1",
+                            chat=lambda messages: asked.append(messages) or SimpleNamespace(text=next(replies)))
+    cache = AppendCache(str(tmp_path / "c.jsonl"))
+    first = ask_judgement(judge, "p1", 1, cache)
+    assert first["score"] == 1 and "invents a duel" in first["reason"]
+    assert ask_judgement(judge, "p2", 1, cache) == {"score": 4, "reason": "faithful", "hallucination_types": []}
+    with pytest.raises(LLMError, match="no judgement .* in 2 replies"):
+        ask_judgement(judge, "p3", 1, cache)  # nothing, then a score that is not an integer
+    with pytest.raises(LLMError):
+        ask_judgement(judge, "p4", 0, cache)
+    assert ask_judgement(judge, "p1", 1, cache) == first and len(asked) == 5  # cached

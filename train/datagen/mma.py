@@ -27,11 +27,11 @@ from collections import Counter
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
 from longsft.train.common.jsontext import extract_json_object
-from longsft.train.common.llm import Endpoint, LLMError, answer_key, ask_json
+from longsft.train.common.llm import Endpoint, LLMError, answer_key
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import Sample, read_records
 from longsft.train.datagen.erhg import check_paths
-from longsft.train.scoring.judgement import normalize_types
+from longsft.train.scoring.judgement import normalize_types, parse_judgement
 
 SUMMARIZE = {"en": "Summarise the following novel excerpt in English, in one paragraph, keeping the main events "
                    "in order. Reply with JSON only: {\"summary\": \"...\"}\n\n",
@@ -63,13 +63,25 @@ def ask_summary(gen: Endpoint, prompt: str, retries: int, cache: AppendCache) ->
     raise LLMError(f"{gen.model}: an empty summary after {retries + 1} tries")
 
 
-def _check_judgement(obj: dict) -> str | None:
-    s = obj.get("score")
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 <= s <= 5 or s != int(s):
-        return '"score" must be an integer 0..5'
-    if not isinstance(obj.get("reason"), str):
-        return 'missing "reason" text'
-    return None
+def ask_judgement(judge: Endpoint, prompt: str, retries: int, cache: AppendCache) -> dict:
+    """A judge's (or the arbiter's) judgement of the summary in ``prompt``: its reply read by the shared
+    scorer's parser, the one evaluation reads the trained models' judgements with (JSON in the LongNovel
+    format, or a score stated in the text, as small models reply). ``{score (int 0..5), reason,
+    hallucination_types}``; cached as :func:`ask_summary` caches; :class:`LLMError` after ``retries`` + 1
+    replies without an integer score."""
+    key = answer_key(judge.model, judge.base_url, prompt)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit["answer"]
+    for _ in range(retries + 1):
+        text = judge.chat([{"role": "user", "content": prompt}]).text
+        j = parse_judgement(text)
+        if j.score is not None and j.score == int(j.score):
+            answer = {"score": int(j.score), "reason": j.reason if j.reason is not None else text.strip(),
+                      "hallucination_types": j.types}
+            cache.put({"key": key, "answer": answer})
+            return answer
+    raise LLMError(f"{judge.model}: no judgement (an integer score 0..5) in {retries + 1} replies")
 
 
 def aggregate(a: dict, b: dict, max_gap: int = 1) -> tuple[int, list[str]] | None:
@@ -102,7 +114,7 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
             try:
                 summary = ask_summary(gen, SUMMARIZE[lang] + article, retries, cache)
                 prompt = judge_prompt(lang, article, summary)
-                ja, jb = (ask_json(j, prompt, _check_judgement, retries, cache=cache) for j in judges)
+                ja, jb = (ask_judgement(j, prompt, retries, cache) for j in judges)
             except LLMError as e:
                 problems.append({"id": sid, "problem": str(e)})
                 continue
@@ -113,9 +125,9 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
             if agreed is None:
                 stats["arbitrated"] += 1
                 try:
-                    arb = ask_json(arbiter, prompt + ARBITRATE.format(a=json.dumps(ja, ensure_ascii=False),
-                                                                     b=json.dumps(jb, ensure_ascii=False)),
-                                   _check_judgement, retries, cache=cache)
+                    arb = ask_judgement(arbiter, prompt + ARBITRATE.format(a=json.dumps(ja, ensure_ascii=False),
+                                                                          b=json.dumps(jb, ensure_ascii=False)),
+                                        retries, cache)
                 except LLMError as e:
                     problems.append({"id": sid, "problem": f"arbiter: {e}"})
                     continue
