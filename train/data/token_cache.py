@@ -440,8 +440,11 @@ def prepare(cfg: RunConfig, tokenizer, workers: int, log) -> list[dict]:
     return out
 
 
-def stage_data(cfg: RunConfig, stage: StageConfig, tokenizer) -> tuple[TokenCache, TokenCache | None]:
-    """(train cache, validation cache or None) of ``stage``, built if needed (every rank calls it)."""
+def stage_data(cfg: RunConfig, stage: StageConfig, tokenizer,
+               paths: dict[Split, Path] | None = None) -> tuple[TokenCache, TokenCache | None]:
+    """(train cache, validation cache or None) of ``stage``: opened from ``paths`` (what :func:`ensure_all`
+    returned for the run), else ensured now (every rank calls it)."""
     train, val = stage_splits(cfg, stage)
-    paths = ensure_all(cfg, tokenizer, [stage])
+    if paths is None or train not in paths or (val is not None and val not in paths):
+        paths = ensure_all(cfg, tokenizer, [stage])
     return TokenCache.open(paths[train]), TokenCache.open(paths[val]) if val else None

@@ -6,6 +6,7 @@ import math
 import os
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 
@@ -15,7 +16,7 @@ from longsft.train.config.deepspeed import build_ds_config
 from longsft.train.config.schema import RunConfig
 from longsft.train.data.batching import StepSampler, pack
 from longsft.train.data.encoding import EncodeStats
-from longsft.train.data.token_cache import stage_data, stage_files
+from longsft.train.data.token_cache import Split, stage_data, stage_files
 from longsft.train.model.build import build_hf_config, build_model
 from longsft.train.parallel import comm
 from longsft.train.parallel.distributed import Dist
@@ -43,14 +44,17 @@ class SaveError(TrainingError):
 class StageTrainer:
     """Trains ``stage`` from ``init_from`` (HF folder or None) and keeps its best checkpoint.
 
-    ``state`` is this stage's entry in ``state.json``; ``save_state`` persists it (rank 0).
+    ``state`` is this stage's entry in ``state.json``; ``save_state`` persists it (rank 0). ``caches``: the
+    token cache folder of each split, as the curriculum's one :func:`ensure_all` returned them (None: this
+    stage's are ensured here).
     """
 
     def __init__(self, cfg: RunConfig, index: int, d: Dist, tokenizer, tracker: Tracker, state: dict,
-                 save_state, init_from: str | None, stop: StopRequests | None = None):
+                 save_state, init_from: str | None, stop: StopRequests | None = None,
+                 caches: dict[Split, Path] | None = None):
         self.cfg, self.stage, self.d, self.tok = cfg, cfg.stages[index], d, tokenizer
         self.tracker, self.state, self.save_state, self.init_from = tracker, state, save_state, init_from
-        self.stop = stop
+        self.stop, self.caches = stop, caches
         self.dir = cfg.run_path / "stages" / self.stage.name
         self.pad_id = tokenizer.pad_token_id
 
@@ -65,7 +69,7 @@ class StageTrainer:
         """The stage's token caches (built once, memory-mapped); this rank reads only its batches' rows."""
         st, cfg = self.stage, self.cfg
         t0 = time.time()
-        train, val = stage_data(cfg, st, self.tok)
+        train, val = stage_data(cfg, st, self.tok, self.caches)
         self.train = pack(train.items, st.seq_len, cfg.data.packing)
         tstats, (self.val, vstats) = train.stats, ([], EncodeStats()) if val is None else val.first(
             cfg.validation.max_samples)
