@@ -141,7 +141,7 @@ def worker(out: Path, start_step: int) -> None:
     data phase and the batch of ``start_step``; writes its timings and memory to ``out``."""
     launched = float(os.environ["BENCH_LAUNCHED"])
     from longsft.train.config.recipes import parse_run_args
-    from longsft.train.data.token_cache import ensure_all
+    from longsft.train.data.cache_ready import ensure_all
     from longsft.train.model.build import build_tokenizer
     from longsft.train.parallel import distributed
     from longsft.train.training.step import make_batch
@@ -214,8 +214,8 @@ def arrow_vs_memmap(cache: Path) -> dict:
 def main() -> None:
     from machine import describe, write_result
 
-    from longsft.train.data.token_cache import host_bytes
     from longsft.train.model.build import qwen_tokenizer
+    from longsft.train.plan.data_memory import host_bytes
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--samples", type=int, default=1340)

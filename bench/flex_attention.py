@@ -52,10 +52,10 @@ def _refusal(e: Exception) -> str:
 
 
 def main() -> None:
+    from machine import write_result
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     from longsft.train.parallel.kernels import CPU_KERNEL, block_bwd, block_fwd
-    from machine import write_result
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192])

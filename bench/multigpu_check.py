@@ -60,7 +60,6 @@ def free_device_bytes() -> int | None:
 def nccl_memory(d, before: int | None) -> dict:
     """Device memory outside PyTorch's allocator taken since ``before`` (free bytes before the process
     group), once each of this rank's communicators has run a collective."""
-    import torch
     from deepspeed.utils import groups
 
     from longsft.train.parallel import comm
@@ -156,10 +155,10 @@ def validation_round(a, d) -> dict:
     import torch
     from transformers.integrations import HfDeepSpeedConfig
 
+    from longsft.train.config.deepspeed import build_ds_config
     from longsft.train.config.recipes import load_config
     from longsft.train.data.encoding import Encoded, Meta
     from longsft.train.model.build import build_hf_config, build_model
-    from longsft.train.config.deepspeed import build_ds_config
     from longsft.train.training.engine import build_engine
     from longsft.train.training.validation import generate_judgements
 

@@ -28,7 +28,6 @@ collectives. Writes bench/results/step_overhead{,_gpu}.json after every row.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -115,7 +114,6 @@ def main() -> None:
     ap.add_argument("--rows", nargs="*", default=None, help="row names to run (default: all)")
     a = ap.parse_args()
     import torch
-
     from gpu_train import QWEN3_1_7B
     from machine import describe, write_result
 

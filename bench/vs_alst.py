@@ -79,8 +79,8 @@ def _alst_engine(cfg, seq: int, sp: int, tiled_mlp: bool):
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
-    from longsft.train.model.build import build_hf_config, torch_dtype
     from longsft.train.config.deepspeed import build_ds_config
+    from longsft.train.model.build import build_hf_config, torch_dtype
 
     # with an mpu, or sequence_parallel_size in the config (zero.Init), DeepSpeed counts the batch over
     # data-parallel ranks only (world / sp)
@@ -127,7 +127,6 @@ def _alst_batch(full: dict, mpu) -> dict:
 
 def _alst_step(engine, mpu, batch) -> tuple[float, float]:
     """ALST's tutorial loss: each rank's sum over its targets, all-gathered and token-weighted."""
-    import torch
     import torch.distributed.nn.functional as dnnf
     import torch.nn.functional as F
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from longsft.eval.harness import EvalConfig, OutputDir, LoadedOnFirstUse, check_model, make_backend, model_name
+from longsft.eval.harness import EvalConfig, LoadedOnFirstUse, OutputDir, check_model, make_backend, model_name
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import (

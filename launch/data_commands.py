@@ -29,7 +29,7 @@ def prepare_command(argv: list[str]) -> int:
         raise ConfigError(f"--workers {args.workers}: at least 1")
     if args.json:
         check_output_file(args.json)
-    from longsft.train.data.token_cache import prepare
+    from longsft.train.data.cache_ready import prepare
     from longsft.train.model.build import build_tokenizer
     from longsft.train.training.preflight import prepare_data
     from longsft.train.training.rundir import check_run_dir

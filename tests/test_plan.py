@@ -12,7 +12,7 @@ from conftest import ROOT
 from longsft.launch.cli import main as cli
 from longsft.train.common.errors import ConfigError
 from longsft.train.config.recipes import load_config
-from longsft.train.data import token_cache
+from longsft.train.plan import data_memory
 from longsft.train.plan.choose import choose
 from longsft.train.plan.cost import communicators, estimate
 from longsft.train.plan.hardware import GIB, Hardware
@@ -53,7 +53,7 @@ def test_terms_follow_the_recipe_switches():
     # offloaded optimizer and parameters: no partitions on the GPU, 20 bytes per parameter on the host,
     # beside the data a rank holds (its samples are not on this machine: the micro-batch only)
     assert base.resident["grads"] == base.resident["optimizer"] == 0
-    assert base.samples is None and base.data_per_gpu == stage.seq_len * token_cache.HOST_BYTES_PER_BATCH_TOKEN
+    assert base.samples is None and base.data_per_gpu == stage.seq_len * data_memory.HOST_BYTES_PER_BATCH_TOKEN
     assert base.host_per_node == pytest.approx(8 * shape.params / 8 * (2 + 6 + 4 + 8) + 8 * base.data_per_gpu)
 
     def with_(*overrides):

@@ -17,6 +17,7 @@ from longsft.train.data.encoding import encode_all
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import load_samples
 from longsft.train.data.token_cache import Split, TokenCache, ensure
+from longsft.train.plan import data_memory
 
 
 def _reference_turns(tok, text, answer):
@@ -324,7 +325,7 @@ def test_the_planner_counts_the_samples_a_rank_holds(sample_dir):
                                f"data.validation_file={sample_dir}/{{bucket}}/validation.jsonl"])
     stage = cfg.stages[1]  # bucket 1k, validated
     n = len(load_samples(sample_dir / "1k" / "train.jsonl")) + len(load_samples(sample_dir / "1k" / "validation.jsonl"))
-    batch = cfg.optim.micro_batch_size * stage.seq_len * token_cache.HOST_BYTES_PER_BATCH_TOKEN
-    assert token_cache.host_bytes(cfg, stage) == (n * token_cache.HOST_BYTES_PER_SAMPLE + batch, n)
+    batch = cfg.optim.micro_batch_size * stage.seq_len * data_memory.HOST_BYTES_PER_BATCH_TOKEN
+    assert data_memory.host_bytes(cfg, stage) == (n * data_memory.HOST_BYTES_PER_SAMPLE + batch, n)
     s2k = cfg.stages[2]  # bucket 2k is not there: its samples are not counted
-    assert token_cache.host_bytes(cfg, s2k) == (s2k.seq_len * token_cache.HOST_BYTES_PER_BATCH_TOKEN, None)
+    assert data_memory.host_bytes(cfg, s2k) == (s2k.seq_len * data_memory.HOST_BYTES_PER_BATCH_TOKEN, None)

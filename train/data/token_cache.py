@@ -12,8 +12,7 @@ policy, :data:`~longsft.train.data.encoding.ENCODING_VERSION`)::
 
 It is built in a ``.tmp-*`` folder beside it and renamed into place, so a folder under its final
 name is whole; its checksums are checked before use, and one that fails them is removed and rebuilt.
-Nothing is unpickled: the index is read with ``allow_pickle=False``, the rest is JSON.
-"""
+Nothing is unpickled: the index is read with ``allow_pickle=False``, the rest is JSON."""
 
 from __future__ import annotations
 
@@ -40,9 +39,10 @@ from longsft.train.data.encoding import ENCODING_VERSION, Encoded, EncodeStats, 
 from longsft.train.data.prompts import template_digest
 from longsft.train.data.schema import check_unique, read_sample
 from longsft.train.data.sources import Source, open_source, selector
-from longsft.train.parallel import comm
 
 FILES = ("tokens.bin", "index.npy", "meta.jsonl")
+
+
 POOL_MIN_BYTES = 8 << 20  # smaller sources are tokenized in process
 
 
@@ -81,8 +81,6 @@ def stage_splits(cfg: RunConfig, stage: StageConfig) -> tuple[Split, Split | Non
     return t, v if stage.validate else None
 
 
-# --------------------------------------------------------------------------- fingerprint
-
 _VOCAB_DIGESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> sha256 of its definition
 
 
@@ -109,9 +107,6 @@ def fingerprint(inputs: dict) -> str:
     """The cache folder's name; the source's name is not part of it (moved data keeps its cache)."""
     key = {k: v for k, v in inputs.items() if k != "source"}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-
-
-# --------------------------------------------------------------------------- reading
 
 
 @dataclass
@@ -181,9 +176,6 @@ def _check(path: Path) -> str | None:
         return f"unreadable manifest ({e})"
     return None
 
-
-
-# --------------------------------------------------------------------------- building
 
 _WORK: tuple | None = None  # (source, tokenizer, split) of a build worker process
 
@@ -317,8 +309,6 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-# --------------------------------------------------------------------------- the one entry point
-
 _VERIFIED: dict[tuple, Path] = {}  # (split, tokenizer, root, source stat) -> a cache checked in this process
 
 
@@ -370,81 +360,3 @@ def _locked(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def build_workers() -> int:
-    """Processes a rank may use to build: its node's ranks wait meanwhile, so one per local rank."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(local, len(os.sched_getaffinity(0))))
-
-
-def ensure_all(cfg: RunConfig, tokenizer, stages: list[StageConfig] | None = None, log=None) -> dict[Split, Path]:
-    """Every split of ``stages`` (default: all) cached, for a job's ranks: rank 0 checks and builds
-    (with one worker per local rank) while the others wait; a bad row fails every rank with the
-    same DataError, before any training. Returns split -> cache folder, on every rank."""
-    splits = [s for st in (stages or cfg.stages) for s in stage_splits(cfg, st) if s is not None]
-    root = cache_root(cfg)
-    def prepare() -> dict:
-        paths = {}
-        for s in dict.fromkeys(splits):
-            paths[s], what = ensure(s, tokenizer, root, build_workers(), progress=sys.stderr.isatty(), log=log)
-            if what.startswith("rebuilt") and log is not None:
-                log(f"{s.source}: {what}")
-        return paths
-
-    with comm.waiting_group() as group:  # made before rank 0 starts (a collective); its timeout outlasts a build
-        paths = comm.decided_by_rank_zero(prepare, group=group)
-    missing = [str(p) for p in paths.values() if not (p / "manifest.json").exists()]
-    if any(comm.all_gather_objects(bool(missing))):
-        raise ConfigError(f"the token cache {root} is not visible on every node ({missing[:1] or 'see rank 0'} is "
-                          "missing on some): set data.cache_dir to a filesystem all nodes share, or run "
-                          "`longsft data prepare` on each node first")
-    return paths
-
-
-
-# Host memory of the data a rank holds (bench/data_cache.py measures both): per sample, the index
-# entry, its metadata and their Python objects; per token of a micro-batch row, the ids read from
-# the cache (uint32) and collate's five int64 tensors.
-HOST_BYTES_PER_SAMPLE = 1024
-HOST_BYTES_PER_BATCH_TOKEN = 4 + 5 * 8
-
-
-def host_bytes(cfg: RunConfig, stage: StageConfig) -> tuple[float, int | None]:
-    """(bytes of data one rank holds in ``stage``, samples counted; None when a source is not there yet)."""
-    n = 0
-    for split in stage_splits(cfg, stage):
-        if split is None:
-            continue
-        try:
-            n += len(open_source(split.source))
-        except DataError:
-            return cfg.optim.micro_batch_size * stage.seq_len * HOST_BYTES_PER_BATCH_TOKEN, None
-    return n * HOST_BYTES_PER_SAMPLE + cfg.optim.micro_batch_size * stage.seq_len * HOST_BYTES_PER_BATCH_TOKEN, n
-
-
-def prepare(cfg: RunConfig, tokenizer, workers: int, log) -> list[dict]:
-    """``longsft data prepare``: every split of every stage cached (one process, ``workers`` tokenizing);
-    one record per split: stage, source, seq_len, what happened, path, samples, tokens, seconds."""
-    out = []
-    for stage in cfg.stages:
-        for kind, split in zip(("train", "validation"), stage_splits(cfg, stage)):
-            if split is None:
-                continue
-            t0 = time.time()
-            path, what = ensure(split, tokenizer, cache_root(cfg), workers, progress=sys.stderr.isatty(), log=log)
-            m = json.loads((path / "manifest.json").read_text())
-            out.append({"stage": stage.name, "split": kind, "source": split.source, "seq_len": split.seq_len,
-                        "what": what, "path": str(path), "samples": m["samples"], "tokens": m["tokens"],
-                        "seconds": round(time.time() - t0, 3), "build_tokens_per_s": m["tokens_per_s"]})
-    return out
-
-
-def stage_data(cfg: RunConfig, stage: StageConfig, tokenizer,
-               paths: dict[Split, Path] | None = None) -> tuple[TokenCache, TokenCache | None]:
-    """(train cache, validation cache or None) of ``stage``: opened from ``paths`` (what :func:`ensure_all`
-    returned for the run), else ensured now (every rank calls it)."""
-    train, val = stage_splits(cfg, stage)
-    if paths is None or train not in paths or (val is not None and val not in paths):
-        paths = ensure_all(cfg, tokenizer, [stage])
-    return TokenCache.open(paths[train]), TokenCache.open(paths[val]) if val else None

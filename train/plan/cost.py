@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 from longsft.train.common.errors import ConfigError
 from longsft.train.config.deepspeed import build_ds_config
 from longsft.train.config.schema import RunConfig, StageConfig
-from longsft.train.data.token_cache import host_bytes
 from longsft.train.model.build import keeps_attention
 from longsft.train.model.tied_head import keeps_dlogits
+from longsft.train.plan.data_memory import host_bytes
 from longsft.train.plan.hardware import GIB, Hardware
 from longsft.train.plan.shape import Shape
 from longsft.train.plan.trace import prefill_peak, stack_activations

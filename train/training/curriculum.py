@@ -16,7 +16,7 @@ from longsft.train.common.io import atomic_write_json, atomic_write_text, read_t
 from longsft.train.config.checks import validate
 from longsft.train.config.loader import dump_yaml, to_dict
 from longsft.train.config.schema import RunConfig
-from longsft.train.data.token_cache import ensure_all
+from longsft.train.data.cache_ready import ensure_all
 from longsft.train.model.build import build_tokenizer
 from longsft.train.parallel import comm, distributed
 from longsft.train.training.preempt import StopRequests

@@ -15,8 +15,9 @@ from longsft.train.common.io import write_jsonl
 from longsft.train.config.deepspeed import build_ds_config
 from longsft.train.config.schema import RunConfig
 from longsft.train.data.batching import StepSampler, pack
+from longsft.train.data.cache_ready import stage_data
 from longsft.train.data.encoding import EncodeStats
-from longsft.train.data.token_cache import Split, stage_data, stage_files
+from longsft.train.data.token_cache import Split, stage_files
 from longsft.train.model.build import build_hf_config, build_model
 from longsft.train.parallel import comm
 from longsft.train.parallel.distributed import Dist
