@@ -97,7 +97,7 @@ def _serve_help() -> str:
 
 
 def _constory_help() -> str:
-    from longsft.eval.constory import constory_help
+    from longsft.eval.constory_cli import constory_help
 
     return constory_help()
 
@@ -132,7 +132,7 @@ def _eval(argv: list[str]) -> int:
 
 
 def _constory(argv: list[str]) -> int:
-    from longsft.eval.constory import main as constory_main
+    from longsft.eval.constory_cli import main as constory_main
 
     return constory_main(argv)
 

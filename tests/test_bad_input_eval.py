@@ -253,7 +253,7 @@ def test_constory_stories_the_judge_never_answered_are_unjudged_not_consistent(t
 
 
 def test_unjudged_stories_leave_the_metrics_of_judged_ones_alone():
-    from longsft.eval.constory import metrics
+    from longsft.eval.constory_metrics import metrics
 
     def r(pid, model, n_errors, **extra):
         return {"id": pid, "model_name": model, "words": 10_000, "n_errors": n_errors, "characters": 50_000,

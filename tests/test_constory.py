@@ -9,7 +9,8 @@ import pytest
 from llm_server import Server
 
 from longsft.eval.backends import OpenAIBackend
-from longsft.eval.constory import Judge, _windows, check_story, count_words, fractional_ranks, metrics, paragraphs
+from longsft.eval.constory import Judge, check_story, count_words, paragraphs, windows
+from longsft.eval.constory_metrics import fractional_ranks, metrics
 from longsft.eval.harness import LoadedOnFirstUse
 from longsft.train.common.cache import AppendCache
 
@@ -78,7 +79,7 @@ def test_word_counting():
 
 def test_long_story_is_read_in_overlapping_windows_not_cut():
     paras = [(i * 100, i * 100 + 90) for i in range(10)]
-    w = _windows(paras, 350)
+    w = windows(paras, 350)
     assert w[0][0] == 0 and w[-1][1] == 9
     assert all(b[0] <= a[1] for a, b in zip(w, w[1:]))  # consecutive windows overlap
     assert all(paras[b][1] - paras[a][0] <= 350 for a, b in w)
@@ -145,7 +146,7 @@ def test_check_and_metrics_write_to_a_folder_of_their_own(server, tmp_path, monk
 
     from conftest import run_cli, snapshot
 
-    from longsft.eval.constory import ConStoryConfig, default_out
+    from longsft.eval.constory_cli import ConStoryConfig, default_out
 
     monkeypatch.chdir(tmp_path)
     qwen = ConStoryConfig(stories="runs/cs/qwen3/stories.jsonl", judge="gpt-4o", backend="openai")
