@@ -40,7 +40,8 @@ def main() -> None:
     score_items(items, bootstrap=2000)
     t_boot = time.perf_counter() - t0
     # the whole path a user runs: score two eval runs (files written), Table 4 report, paired comparison
-    from longsft.eval.harness import EvalConfig, eval_summary
+    from longsft.eval.eval_config import EvalConfig
+    from longsft.eval.harness import eval_summary
     from longsft.eval.report import compare, eval_tables
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,8 @@ from typing import Literal
 
 from longsft.eval.constory import Judge, check_story, judged
 from longsft.eval.constory_metrics import metrics, metrics_tables
-from longsft.eval.harness import EvalConfig, LoadedOnFirstUse, OutputDir, check_model, make_backend, model_name
+from longsft.eval.eval_config import EvalConfig, check_model, model_name
+from longsft.eval.harness import LoadedOnFirstUse, OutputDir, make_backend
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import atomic_write_json, check_input_file, iter_jsonl, read_json, write_jsonl

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Literal
 
 from longsft.eval.backends import HFBackend
-from longsft.eval.harness import EvalConfig, check_model, model_config
+from longsft.eval.eval_config import EvalConfig, check_model, model_config
 from longsft.eval.serve_http import Server, read_body
 from longsft.eval.serve_protocol import Reply, Request, RequestError, error_body, parse_chat, parse_completion
 from longsft.train.common.errors import ConfigError

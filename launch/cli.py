@@ -85,7 +85,7 @@ def _os_message(e: BaseException) -> str | None:
 
 
 def _eval_help() -> str:
-    from longsft.eval.harness import eval_help
+    from longsft.eval.eval_config import eval_help
 
     return eval_help()
 
@@ -121,7 +121,8 @@ def _train(cfg) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    from longsft.eval.harness import parse_eval_args, run_eval
+    from longsft.eval.eval_config import parse_eval_args
+    from longsft.eval.harness import run_eval
 
     summary = run_eval(parse_eval_args(argv))
     m = summary["mean"]

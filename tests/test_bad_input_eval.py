@@ -169,7 +169,7 @@ def test_eval_into_a_folder_that_holds_something_else(model, data, tmp_path, cap
 
 def test_an_older_eval_folder_resumes_with_its_own_settings_only(data, tmp_path, monkeypatch):
     """A config.json from before identities were recorded: compared with the settings as given."""
-    from longsft.eval.harness import check_out_dir, parse_eval_args
+    from longsft.eval.eval_config import check_out_dir, parse_eval_args
     from longsft.train.common.errors import ConfigError
     from longsft.train.config.loader import to_dict
 
@@ -184,7 +184,7 @@ def test_an_older_eval_folder_resumes_with_its_own_settings_only(data, tmp_path,
 
 def test_generation_uses_the_kv_cache_even_if_the_checkpoint_says_not_to(model, tmp_path):
     from longsft.eval.backends import HFBackend
-    from longsft.eval.harness import EvalConfig, model_config
+    from longsft.eval.eval_config import EvalConfig, model_config
 
     old = checkpoint(model, tmp_path / "old", use_cache=False)
     backend = HFBackend(model_config(EvalConfig(model=str(old), data="d", tokenizer="qwen")), 4, dtype="fp32")

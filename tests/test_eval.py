@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import ROOT, free_port
 
-from longsft.eval.harness import EvalConfig, model_config, parse_eval_args
+from longsft.eval.eval_config import EvalConfig, model_config, parse_eval_args
 from longsft.train.common.errors import ConfigError
 from longsft.train.config.recipes import load_config
 from longsft.train.scoring.bootstrap import bootstrap_ci

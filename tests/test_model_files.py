@@ -82,7 +82,7 @@ def train_cfg(path, tmp_path, *extra):
 
 @pytest.mark.parametrize("what", ["safetensors", "config"])
 def test_a_cut_off_checkpoint_is_named_by_train_eval_serve_and_the_load(model_dir, tmp_path, what):
-    from longsft.eval.harness import check_model as eval_check
+    from longsft.eval.eval_config import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
     from longsft.train.model.build import build_hf_config, load_pretrained
     from longsft.train.training.preflight import check_model
@@ -115,7 +115,7 @@ def test_the_eval_backend_names_a_shard_cut_after_its_check(model_dir, tmp_path)
 
 @pytest.mark.parametrize("where", ["after_header", "mid_file"])
 def test_a_cut_off_gguf_file_is_named_by_plan_train_eval_and_serve(gguf_cut, tmp_path, where):
-    from longsft.eval.harness import check_model as eval_check
+    from longsft.eval.eval_config import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
     from longsft.train.plan.trace import model_shape
     from longsft.train.training.preflight import check_model
@@ -175,7 +175,7 @@ def test_other_errors_of_a_read_pass_unchanged(model_dir):
 def test_a_local_path_that_is_not_there_is_refused_at_once_by_every_command(tmp_path, monkeypatch, path):
     """``models/foo`` beside a ``models`` folder is a local path, not the hub id org/name: refused at once, in
     the same words, by plan, train, eval and serve."""
-    from longsft.eval.harness import check_model as eval_check
+    from longsft.eval.eval_config import check_model as eval_check
     from longsft.eval.serve import ServeConfig, build
     from longsft.train.plan.trace import model_shape
     from longsft.train.training.preflight import check_model

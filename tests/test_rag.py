@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from test_extend import hlm_units
 
-from longsft.eval.harness import EvalConfig, RagMethod
+from longsft.eval.eval_config import EvalConfig
+from longsft.eval.harness import RagMethod
 from longsft.eval.rag import HashingEmbedder, anchors, blocks, plan, radius, segments, windows
 from longsft.train.data.schema import Sample
 

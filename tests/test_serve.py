@@ -27,7 +27,7 @@ def model(tiny_model_dir):
 @pytest.fixture(scope="module")
 def backend(model):
     from longsft.eval.backends import HFBackend
-    from longsft.eval.harness import EvalConfig, model_config
+    from longsft.eval.eval_config import EvalConfig, model_config
 
     return HFBackend(model_config(EvalConfig(model=str(model), tokenizer="qwen")), 8)
 

@@ -19,7 +19,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from longsft.eval.harness import parse_eval_args
+from longsft.eval.eval_config import parse_eval_args
 from longsft.train.common.errors import ConfigError, DataError
 from longsft.train.common.io import read_text
 from longsft.train.config.recipes import parse_run_args
