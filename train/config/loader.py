@@ -233,6 +233,15 @@ def line_map(node: yaml.Node | None, prefix: str = "") -> dict[str, int]:
     return out
 
 
+def with_changes(cfg: Any, changes: dict[str, Any]) -> Any:
+    """A copy of dataclass ``cfg`` with ``{dotted key: value}`` set, through the same dotted set and typed
+    build as overrides (every key and type checked)."""
+    raw = to_dict(cfg)
+    for key, value in changes.items():
+        set_path(raw, key, value)
+    return build(type(cfg), raw)
+
+
 def to_dict(cfg: Any) -> Any:
     """Dataclass tree -> plain YAML-safe dict (tuples become lists)."""
     if dataclasses.is_dataclass(cfg):

@@ -5,10 +5,10 @@ the trainer takes per stage on this job (:func:`choose`), and advice for a stage
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 from longsft.train.common.errors import ConfigError
+from longsft.train.config.loader import with_changes
 from longsft.train.config.schema import RunConfig, StageConfig
 from longsft.train.model.build import keeps_attention
 from longsft.train.plan.cost import Estimate, estimate
@@ -75,10 +75,7 @@ def advice(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targe
     now = estimate(cfg, stage, shape, hw, targets).total
     out = []
     for change in tries:
-        trial = copy.deepcopy(cfg)
-        for key, value in change.items():
-            section, name = key.split(".")
-            setattr(getattr(trial, section), name, value)
+        trial = with_changes(cfg, change)
         est = estimate(trial, stage, shape, hw, targets)
         if est.fits and est.total < now:
             words = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in change.items())

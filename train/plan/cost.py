@@ -35,12 +35,12 @@ Host memory per node (offloaded optimizer, parameters and activations) is report
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
 from longsft.train.common.errors import ConfigError
 from longsft.train.config.deepspeed import build_ds_config
+from longsft.train.config.loader import with_changes
 from longsft.train.config.schema import RunConfig, StageConfig
 from longsft.train.model.build import keeps_attention
 from longsft.train.model.tied_head import keeps_dlogits
@@ -125,7 +125,7 @@ def estimate(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, tar
 
 
 def with_keep_attention(cfg: RunConfig, keep: bool) -> RunConfig:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, keep_attention=keep))
+    return with_changes(cfg, {"model.keep_attention": keep})
 
 
 def estimate_stage(cfg: RunConfig, stage: StageConfig, shape: Shape, hw: Hardware, targets: int | None) -> Estimate:
