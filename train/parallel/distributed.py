@@ -83,7 +83,7 @@ class ParallelDims:
 class Dist:
     """This process's place in the job and its groups: ``sp``, its sequence-parallel context (group,
     backend, kernel), and ``attention``, the attention entry bound to it (``with d.attention.active(...)``
-    around a forward)."""
+    around a forward). Named ``d`` in the code that holds one (``dist`` is ``torch.distributed`` there)."""
 
     rank: int
     local_rank: int
