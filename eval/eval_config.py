@@ -1,5 +1,9 @@
-"""What an evaluation run is: its typed config (``longsft eval key=value ...``), the model it names checked
-before anything loads, the run's identity in its output folder (a folder holding another run is refused)."""
+"""What an evaluation run is: its typed config, the model it names checked before anything loads, the run's
+identity in its output folder (a folder holding another run is refused). Running it: :mod:`.harness`.
+
+    longsft eval model=runs/tiny/stages/s4k/best data=test.jsonl [backend=hf|vllm|openai]
+                 [prompt=end|begin|cot] [repeats=3] [recipe=qwen3_32b] [out=DIR] ...
+"""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def test_dry_run_writes_a_self_contained_submission(tmp_path):
         assert (sub / "code" / "longsft" / f).exists(), f
     snap = subprocess.run([sys.executable, "-c", "import longsft.launch.cli as m; print(m.__file__)"],
                           env={"PYTHONPATH": str(sub / "code")}, capture_output=True, text=True)
-    assert snap.stdout.strip() == str(sub / "code" / "longsft" / "train" / "cli.py")
+    assert snap.stdout.strip() == str(sub / "code" / "longsft" / "launch" / "cli.py")
     assert (sub / "code" / "git.txt").read_text().startswith("commit ")
 
 
