@@ -50,8 +50,7 @@ class Documents:
     def __init__(self, ids: torch.Tensor):
         self.ids = ids
         self._spans: list[list[tuple[int, int]]] | None = None
-        self.whole: torch.Tensor | None = None  # the SP group's ids of the whole rows, position order [b, S]
-        self.whole_spans: list[list[tuple[int, int]]] | None = None  # spans of ``whole``
+        self.whole_spans: list[list[tuple[int, int]]] | None = None  # spans in the SP group's whole rows
         self.varlen: list[tuple] | None = None  # ring-flash-attn's per-row llama3 cu_seqlens plans
 
     @property

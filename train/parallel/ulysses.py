@@ -86,8 +86,8 @@ def _whole_spans(sp: SequenceParallel, docs: Documents, to_pos: torch.Tensor) ->
     """The documents' spans in the SP group's whole sequences, position order: the ids gathered and their
     spans found once per batch (every layer asks), kept on ``docs``."""
     if docs.whole_spans is None:
-        docs.whole = torch.cat(comm.all_gather(docs.ids, sp.group), dim=1)[:, to_pos]
-        docs.whole_spans = [spans(row) for row in docs.whole]
+        whole = torch.cat(comm.all_gather(docs.ids, sp.group), dim=1)[:, to_pos]  # [b, S], position order
+        docs.whole_spans = [spans(row) for row in whole]
     return docs.whole_spans
 
 
