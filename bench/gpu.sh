@@ -6,9 +6,12 @@
 #   there:  bash bench/gpu.sh                   (results also copied to $OUT when it is set)
 #   CPU:    bash bench/gpu.sh --smoke           (each Python step's --smoke, a check of this script and the
 #                                                report; no GPU, no tiny steps; writes *_smoke.json only)
+#   there:  bash bench/gpu.sh vs_alst           (only bench/gpu_vs_alst.py, under 10 minutes: an allocation
+#                                                of its own; bench/results/gpu_vs_alst.json, also to $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-smoke=0; [ "${1:-}" = "--smoke" ] && smoke=1
+smoke=0; only=""
+case "${1:-}" in --smoke) smoke=1 ;; vs_alst) only=vs_alst ;; esac
 t_all=$SECONDS
 site=$(mktemp -d)
 if [ "$smoke" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
@@ -26,6 +29,14 @@ if [ "$smoke" = 1 ]; then
 else
   nvidia-smi --query-gpu=name,memory.total --format=csv
   gpus=$(nvidia-smi -L | grep -c '^GPU')
+  if [ "$only" = vs_alst ]; then
+    rm -f bench/results/gpu_vs_alst.json
+    echo "set-up: $((SECONDS - t_all)) s"
+    timeout -k 5 580 python3 bench/gpu_vs_alst.py; rc=$?
+    [ -z "${OUT:-}" ] || cp bench/results/gpu_vs_alst.json "$OUT"/ 2>/dev/null || true
+    echo "all: $((SECONDS - t_all)) s"
+    exit $rc
+  fi
   rm -f bench/results/gpu*.json bench/results/step_overhead_gpu.json bench/results/gpu_validation_trace.json.gz
 fi
 echo "set-up: $((SECONDS - t_all)) s"

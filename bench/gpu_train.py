@@ -190,7 +190,7 @@ def longest_8b(gpu_gib: float) -> dict:
     return {"longest_tokens": lo, "predicted_gpu_gib": est.total / 2**30, "host_gib": est.host_per_node / 2**30}
 
 
-def _die_with_parent() -> None:  # the worker must not outlive a killed main process (it holds the GPU)
+def die_with_parent() -> None:  # the worker must not outlive a killed main process (it holds the GPU)
     try:
         import ctypes
 
@@ -238,7 +238,7 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, on_term)
     proc = subprocess.Popen([sys.executable, __file__, "--worker", json.dumps(spec)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:

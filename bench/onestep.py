@@ -63,10 +63,11 @@ def choices(cfg, world_size: int = 1, answer: int = ANSWER):
     return comm.broadcast_object(made)
 
 
-def step(engine, cfg, batch, attention) -> tuple[float, int]:
+def step(engine, cfg, batch, attention, optimizer_step: bool = True) -> tuple[float, int]:
     """One optimizer step (grad_accum 1) exactly as the trainer takes it, its forward inside ``attention``'s
     ``active()`` (``d.attention``: the registered SP attention entry); returns this rank's (loss sum,
-    targets). On several ranks the batch is one sequence split over them (an SP group, dp = 1)."""
+    targets). On several ranks the batch is one sequence split over them (an SP group, dp = 1).
+    ``optimizer_step=False``: forward and backward only, the gradients then dropped."""
     from longsft.train.model.build import keeps_attention
     from longsft.train.model.loss import backward_scale, token_loss_sum
     from longsft.train.parallel import comm
@@ -76,7 +77,10 @@ def step(engine, cfg, batch, attention) -> tuple[float, int]:
         loss, n = token_loss_sum(engine, batch, m.loss_chunk_tokens, m.offload_activations, m.loss_kernel)
         n_global = comm.all_reduce([n])[0] if comm.active() else n
         engine.backward(loss * backward_scale(n_global, engine.dp_world_size, 1))
-    engine.step()
+    if optimizer_step:
+        engine.step()
+    else:
+        engine.optimizer.zero_grad(set_to_none=True)
     return float(loss), n
 
 

@@ -12,15 +12,13 @@ the machine's noise falls on all of them alike.
 - ``torch`` / ``ulysses``: longsft's own step (``bench/onestep.py``: ``token_loss_sum`` +
   ``backward_scale``, as the trainer takes it) with ``parallel.sp_backend`` set to either;
   ``+keep``: with ``model.keep_attention=true`` (the layers' recompute reuses their attention).
-- ``alst``: DeepSpeed 0.19's ALST wired as its tutorial shows: ``UlyssesSPAttentionHF`` registered
-  over transformers' ``sdpa`` with its ``mpu`` passed to ``deepspeed.initialize``, the batch sharded
-  by ``UlyssesSPDataLoaderAdapter`` (contiguous shards, pre-shifted labels), and the loss
+- ``alst``: DeepSpeed 0.19's ALST wired as its tutorial shows (``bench/alst.py``): ``UlyssesSPAttentionHF``
+  over transformers' ``sdpa``, the batch sharded by ``UlyssesSPDataLoaderAdapter``, and the loss
   all-gathered over the SP group weighted by each rank's target count. Its LM head runs on the
   answer positions only (``logits_to_keep``), as longsft's does: a plain ``outputs.loss`` would
   compute ``[tokens, vocab]`` logits for the whole prompt, which is not the comparison of interest.
-  Its model is transformers' own (``from_config``, gradient checkpointing as the HF Trainer enables
-  it), none of longsft's changes to layers or loss, with the same weights.
   ``--alst-tiled-mlp`` adds its ``TiledMLP`` (compare with longsft's ``model.mlp_tile_tokens``).
+  On one GPU, with ALST's tiled loss and checkpoint offload: ``bench/gpu_vs_alst.py``.
 
 Per step: wall seconds and CPU seconds (summed over ranks: steadier on a shared machine) and
 per-rank peak memory, the rise of VmHWM (reset through /proc/self/clear_refs before the step)
@@ -44,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+import alst  # noqa: E402
 import onestep  # noqa: E402
 
 # hidden 512, 4 layers, Qwen3 layout with its real vocabulary (tied): GQA 8 query / 2 KV heads
@@ -71,79 +70,6 @@ class Measured:
         self.peak_kib = _kib("VmHWM") - self.rss
 
 
-def _alst_engine(cfg, seq: int, sp: int, tiled_mlp: bool):
-    """ALST's engine: the same model and DeepSpeed config, Ulysses over transformers' ``sdpa``."""
-    import deepspeed
-    import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP, UlyssesSPAttentionHF
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-
-    from longsft.train.config.deepspeed import build_ds_config
-    from longsft.train.model.build import build_hf_config, torch_dtype
-
-    # with an mpu, or sequence_parallel_size in the config (zero.Init), DeepSpeed counts the batch over
-    # data-parallel ranks only (world / sp)
-    ds = build_ds_config(cfg, cfg.stages[0], int(os.environ["WORLD_SIZE"]) // sp, build_hf_config(cfg.model).hidden_size)
-    ds["sequence_parallel_size"] = sp
-    hf_ds = HfDeepSpeedConfig(ds)
-    # transformers' own model, as an ALST user has it (none of longsft's layer or loss changes), from the
-    # same config and seed as longsft's build_model: the same weights
-    torch.manual_seed(cfg.seed)
-    model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model), dtype=torch_dtype(cfg.model),
-                                             attn_implementation="sdpa")
-    model.train()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if tiled_mlp:  # ALST's TiledMLP on each decoder MLP, shards as its docstring computes them
-        for layer in model.get_decoder().layers:
-            mlp = layer.mlp
-
-            def forward(x, mlp=mlp, whole=type(mlp).forward):
-                shards = max(1, -(-x.shape[1] // x.shape[2]))
-                params = [p for p in mlp.parameters()]
-                return TiledMLP.apply(whole, mlp, x, shards, params)
-
-            mlp.forward = forward
-    mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=seq,
-                                                          seq_length_is_variable=True)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=mpu)
-    engine.hf_ds_config = hf_ds
-    return engine, mpu
-
-
-def _alst_batch(full: dict, mpu) -> dict:
-    """This rank's shard, as ALST's UlyssesSPDataLoaderAdapter makes it from an unshifted batch."""
-    import torch
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-
-    labels = torch.cat([full["shift_labels"].new_full((1, 1), -100), full["shift_labels"][:, :-1]], dim=1)
-    sample = {"input_ids": full["input_ids"], "position_ids": full["position_ids"], "labels": labels}
-    loader = torch.utils.data.DataLoader([sample], batch_size=None)
-    adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=mpu.get_sequence_parallel_rank(),
-                                         sp_group=mpu.get_sequence_parallel_group(),
-                                         sp_world_size=mpu.get_sequence_parallel_world_size(), device="cpu")
-    return next(adapter)  # both ranks hand in the same sample: take the first of its sp shards
-
-
-def _alst_step(engine, mpu, batch) -> tuple[float, float]:
-    """ALST's tutorial loss: each rank's sum over its targets, all-gathered and token-weighted."""
-    import torch.distributed.nn.functional as dnnf
-    import torch.nn.functional as F
-
-    group = mpu.get_sequence_parallel_group()
-    targets = batch["shift_labels"]
-    keep = targets != -100
-    out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=keep,
-                 use_cache=False)
-    loss_sum = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]).float(), targets[keep], reduction="sum")
-    sums = dnnf.all_gather(loss_sum, group=group)
-    n = sum(dnnf.all_gather(keep.sum().float(), group=group))
-    loss = sum(sums) / n
-    engine.backward(loss)
-    engine.step()
-    return float(loss), float(engine.get_global_grad_norm() or 0.0)
-
-
 def worker(args) -> None:
     import dataclasses
 
@@ -168,8 +94,8 @@ def worker(args) -> None:
     engines, batches, cfgs = {}, {}, {}
     for impl in impls:
         if impl == "alst":
-            engines[impl] = _alst_engine(cfg, args.seq, sp, args.alst_tiled_mlp)
-            batches[impl] = _alst_batch(full, engines[impl][1])
+            engines[impl] = alst.build(cfg, args.seq, sp, alst.Options(tiled_mlp=args.alst_tiled_mlp))
+            batches[impl] = alst.shard(full, engines[impl][1])
         else:
             cfgs[impl] = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, keep_attention="+keep" in impl))
             engines[impl] = onestep.zero3_engine(cfgs[impl], total_steps=args.rounds + 1, world_size=sp)
@@ -179,7 +105,7 @@ def worker(args) -> None:
         attention = register(dataclasses.replace(d.sp, backend=impl.split("+")[0])) if impl != "alst" else None
         with Measured() as m:
             if impl == "alst":
-                loss, norm = _alst_step(*engines[impl], batches[impl])
+                loss, norm = alst.step(*engines[impl], batches[impl], alst.Options(tiled_mlp=args.alst_tiled_mlp))
             else:
                 engine = engines[impl]
                 loss_sum, _ = onestep.step(engine, cfgs[impl], batches[impl], attention)  # its loss: this rank's sum
