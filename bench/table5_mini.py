@@ -9,7 +9,10 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
 1. ``longsft data sample``: English articles with a faithful summary each (source ``human``);
 2. ``longsft data erhg``: their entity-referenced hallucinated edits (source ``erhg``; the rule engine);
 3. ``longsft data mma``: summaries by a generator model, scored by two judges and an arbiter, every one
-   a real model served by ``longsft serve`` (SmolLM2-135M-Instruct; source ``mma``);
+   a real model served by ``longsft serve`` (SmolLM2-135M-Instruct; source ``mma``). With one model to
+   hand, judge A decodes greedily and judge B samples (``JUDGE_B``: temperature 0.7, a fixed seed), so
+   their agreement is measured rather than given; a judge's reply without a score is re-asked with the
+   complaint and the format;
 4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
    held-out validation and test articles shared by all, and its sweep file;
 5. each line of the sweep file trained as the SLURM array script trains it (``longsft sweep --task``,
@@ -41,6 +44,7 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160},
          "cpu": {"articles": 40, "sizes": "30,all", "val": 4, "test": 10, "reply": 256},
          "gpu": {"articles": 600, "sizes": "400,all", "val": 20, "test": 100, "reply": 512}}
+JUDGE_B = "temperature=0.7,seed=1"  # the second judge's sampling (an endpoint option: Endpoint.parse)
 STAGE = "stages=[{name: s512, bucket: '512', seq_len: 1024, epochs: 2}]"
 
 
@@ -141,9 +145,11 @@ def main() -> None:
                 sock.bind(("127.0.0.1", 0))
                 port_file.write_text(str(sock.getsockname()[1]))
         with Served(a.model, log, serve_keys, int(port_file.read_text())) as server:
+            # one model is all there is: judge A greedy, judge B the same model sampling (its own seed),
+            # so their agreement measures something; the arbiter greedy, shown both judgements
             ep = server.endpoint
-            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", ep, "--judge", ep, "--judge", ep,
-                "--arbiter", ep, "--max-tokens", str(n["reply"])], log)
+            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", ep, "--judge", ep, "--judge",
+                f"{ep}#{JUDGE_B}", "--arbiter", ep, "--max-tokens", str(n["reply"])], log)
         done("mma")
     if not (arms / "table5.sweep").exists():
         sh([*CLI, "data", "ablation", str(human), str(mma), str(erhg), "--out", str(arms), "--sizes", n["sizes"],

@@ -122,3 +122,36 @@ def test_one_jsonl_reader_strict_for_data_lenient_for_logs(tmp_path):
     log.write({"d": 4})
     log.close()
     assert list(iter_jsonl(path, log=True))[-1] == (7, {"d": 4})
+
+
+def test_endpoint_options_reach_the_server_and_key_the_cache(tmp_path):
+    """``MODEL@URL#temperature=T,seed=S``: the options are sent with each request, shown in the endpoint's
+    name and part of its cache key (two judges on one served model keep apart answers), while a greedy
+    endpoint keeps the key it always had; a bad option is refused naming it. An MMA judge that gives no
+    score is asked again with the complaint, and each judge's answer is its own."""
+    from longsft.train.common.llm import answer_key
+    from longsft.train.datagen.mma import ask_judgement
+
+    def answer(body):  # no score at first; once told, a score that depends on how it was asked
+        told = len(body["messages"]) == 3 and "no score in the reply" in body["messages"][2]["content"]
+        return 200, {}, (f'{{"score": {1 if body["temperature"] else 4}, "reason": "r"}}' if told else "Hmm.")
+
+    s = Server(answer)
+    try:
+        greedy, sampled = Endpoint.parse(f"m@{s.url}"), Endpoint.parse(f"m@{s.url}#temperature=0.7,seed=3")
+        assert (sampled.temperature, sampled.seed, str(sampled)) == (0.7, 3, f"m@{s.url}#temperature=0.7,seed=3")
+        assert greedy.cache_key("p") == answer_key("m", s.url, "p") != sampled.cache_key("p")
+        cache = AppendCache(str(tmp_path / "c.jsonl"))
+        assert ask_judgement(greedy, "Summary:\nx", 1, cache)["score"] == 4
+        assert ask_judgement(sampled, "Summary:\nx", 1, cache)["score"] == 1
+        bodies = [body for _, _, body in s.seen]
+        assert [("seed" in b, b["temperature"]) for b in bodies] == [(False, 0.0)] * 2 + [(True, 0.7)] * 2
+        assert bodies[3]["seed"] == 3 and bodies[3]["messages"][1] == {"role": "assistant", "content": "Hmm."}
+        assert ask_judgement(sampled, "Summary:\nx", 1, cache)["score"] == 1 and len(s.seen) == 4  # cached
+    finally:
+        s.close()
+    for spec, why in [("m@http://h/v1#temp=1", "unknown option 'temp=1'"),
+                      ("m@http://h/v1#temperature=3", "temperature must be a number in"),
+                      ("m@http://h/v1#seed=x", "seed must be an integer")]:
+        with pytest.raises(ValueError, match=why):
+            Endpoint.parse(spec)

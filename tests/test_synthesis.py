@@ -7,12 +7,13 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 
 import pytest
 from llm_server import Server
 from test_extend import hlm_units
 
-from longsft.train.common.llm import Endpoint
+from longsft.train.common.llm import Endpoint, Reply
 from longsft.train.datagen.erhg import RuleEngine, generate, sentences
 from longsft.train.datagen.erhg import run as run_erhg
 from longsft.train.datagen.extend import build, parse_buckets
@@ -31,6 +32,18 @@ def faithful(tmp_path_factory, tokenizer):
     build(d / "units.jsonl", d / "out", parse_buckets("s=1500:9000"), tokenizer)
     path = d / "out" / "s" / "samples.jsonl"
     return path, [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+
+
+@dataclass(frozen=True)
+class Scripted(Endpoint):
+    """An endpoint whose replies are a script, no server (the messages asked recorded in ``asked``)."""
+
+    replies: list = field(default_factory=list)
+    asked: list = field(default_factory=list)
+
+    def chat(self, messages, max_tokens=None):
+        self.asked.append(messages)
+        return Reply(self.replies.pop(0), 1, 1)
 
 
 def _changed(parent: dict, child: dict) -> list[tuple]:
@@ -143,16 +156,13 @@ def test_mma_needs_two_judges(tmp_path):
 def test_mma_takes_a_prose_summary_as_the_summary(tmp_path):
     """A generator that answers in prose (a small model) gives its text as the summary; a JSON answer its
     "summary"; an empty one is re-asked and then dropped; answers are cached."""
-    from types import SimpleNamespace
-
     from longsft.train.common.cache import AppendCache
     from longsft.train.common.llm import LLMError
     from longsft.train.datagen.mma import ask_summary
 
-    replies = iter(["  The knight rides north. ", '{"summary": "He rides."}', "", " "])
     asked = []
-    gen = SimpleNamespace(model="m", base_url="http://x/v1",
-                          chat=lambda messages: asked.append(messages) or SimpleNamespace(text=next(replies)))
+    gen = Scripted("m", "http://x/v1", replies=["  The knight rides north. ", '{"summary": "He rides."}', "", " "],
+                   asked=asked)
     cache = AppendCache(str(tmp_path / "c.jsonl"))
     assert ask_summary(gen, "p1", 1, cache).strip() == "The knight rides north."
     assert ask_summary(gen, "p2", 1, cache) == "He rides."
@@ -164,23 +174,23 @@ def test_mma_takes_a_prose_summary_as_the_summary(tmp_path):
 def test_mma_reads_judgements_with_the_shared_scorers_parser(tmp_path):
     """A judge that states its score in prose (a small model) is read as evaluation reads the trained models
     (JSON, or a score in the text); a reply without an integer score is re-asked, then dropped; cached."""
-    from types import SimpleNamespace
-
     from longsft.train.common.cache import AppendCache
     from longsft.train.common.llm import LLMError
     from longsft.train.datagen.mma import ask_judgement
 
-    replies = iter(["The summary invents a duel. Score: 1", '{"score": 4, "reason": "faithful"}', "no idea",
-                    "Score: 2.5", "I cannot tell."])
     asked = []
-    judge = SimpleNamespace(model="j", base_url="http://x/v1",
-                            chat=lambda messages: asked.append(messages) or SimpleNamespace(text=next(replies)))
+    judge = Scripted("j", "http://x/v1", replies=["The summary invents a duel. Score: 1",
+                                                  '{"score": 4, "reason": "faithful"}', "no idea", "Score: 2.5",
+                                                  "I cannot tell."], asked=asked)
     cache = AppendCache(str(tmp_path / "c.jsonl"))
     first = ask_judgement(judge, "p1", 1, cache)
     assert first["score"] == 1 and "invents a duel" in first["reason"]
     assert ask_judgement(judge, "p2", 1, cache) == {"score": 4, "reason": "faithful", "hallucination_types": []}
-    with pytest.raises(LLMError, match="no judgement .* in 2 replies"):
+    with pytest.raises(LLMError, match="no judgement .* in 2 replies: no score in the reply; the score 2.5 is not an"):
         ask_judgement(judge, "p3", 1, cache)  # nothing, then a score that is not an integer
+    # the re-ask carries the judge's own reply and the complaint with the format: a new question
+    assert [m["role"] for m in asked[3]] == ["user", "assistant", "user"] and asked[3][1]["content"] == "no idea"
+    assert "no score in the reply" in asked[3][2]["content"] and '"score": <an integer 0-5>' in asked[3][2]["content"]
     with pytest.raises(LLMError):
         ask_judgement(judge, "p4", 0, cache)
     assert ask_judgement(judge, "p1", 1, cache) == first and len(asked) == 5  # cached

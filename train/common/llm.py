@@ -29,7 +29,8 @@ from longsft.train.common.jsontext import extract_json_object
 
 @dataclass(frozen=True)
 class Endpoint:
-    """``model@base_url``; the key is read from ``api_key_env``; ``retries`` after the first request."""
+    """``model@base_url``; the key is read from ``api_key_env``; ``retries`` after the first request.
+    ``temperature`` and ``seed`` are sent with every request (seed: only when set)."""
 
     model: str
     base_url: str
@@ -38,16 +39,49 @@ class Endpoint:
     timeout_s: float = 300.0
     retries: int = 2
     max_tokens: int = 1024  # the most tokens a reply may have (a request's max_tokens)
+    seed: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> "Endpoint":
-        model, at, url = spec.partition("@")
+        """``MODEL@URL``, optionally ``#temperature=T,seed=S`` after the URL (a fragment: never sent to
+        the server): the same served model asked another way, e.g. a second MMA judge that samples."""
+        where, _, options = spec.partition("#")
+        model, at, url = where.partition("@")
         if not at or not model or not url.startswith(("http://", "https://")):
-            raise ValueError(f"endpoint {spec!r}: expected MODEL@http(s)://host:port/v1")
-        return cls(model, url.rstrip("/"))
+            raise ValueError(f"endpoint {spec!r}: expected MODEL@http(s)://host:port/v1[#temperature=T,seed=S]")
+        kw: dict = {}
+        for item in filter(None, options.split(",")):
+            key, eq, value = item.partition("=")
+            try:
+                if key == "temperature" and eq:
+                    kw[key] = float(value)
+                    if not 0 <= kw[key] <= 2:
+                        raise ValueError
+                elif key == "seed" and eq:
+                    kw[key] = int(value)
+                    if kw[key] < 0:
+                        raise ValueError
+                else:
+                    raise KeyError(key)
+            except KeyError:
+                raise ValueError(f"endpoint {spec!r}: unknown option {item!r} (temperature=T, seed=S)") from None
+            except ValueError:
+                want = "a number in [0, 2]" if key == "temperature" else "an integer >= 0"
+                raise ValueError(f"endpoint {spec!r}: {item!r}: {key} must be {want}") from None
+        return cls(model, url.rstrip("/"), **kw)
 
     def __str__(self) -> str:
-        return f"{self.model}@{self.base_url}"
+        options = ",".join(f"{k}={v}" for k, v in self.sampling())
+        return f"{self.model}@{self.base_url}" + (f"#{options}" if options else "")
+
+    def sampling(self) -> list[tuple[str, float | int]]:
+        """The sampling settings that differ from greedy decoding without a seed."""
+        return [(k, v) for k, v in (("temperature", self.temperature), ("seed", self.seed)) if v not in (0.0, None)]
+
+    def cache_key(self, prompt: str) -> str:
+        """The cache key of this endpoint's answer to ``prompt``: model, URL, sampling settings, prompt
+        (a greedy endpoint's keys are those of earlier versions: caches built by them still resume)."""
+        return answer_key(self.model, self.base_url, *(f"{k}={v}" for k, v in self.sampling()), prompt)
 
     def chat(self, messages: list[dict], max_tokens: int | None = None) -> "Reply":
         """One chat completion (after the SDK's retries), or :class:`EndpointError`. ``max_tokens``: the
@@ -60,7 +94,7 @@ class Endpoint:
         try:
             r = _client(self.base_url, os.environ.get(self.api_key_env) or "none", self.timeout_s, self.retries) \
                 .chat.completions.create(model=self.model, messages=messages, temperature=self.temperature,
-                                         max_tokens=max_tokens)
+                                         max_tokens=max_tokens, **({"seed": self.seed} if self.seed is not None else {}))
             choice = r.choices[0]
             text, usage, finish = choice.message.content or "", r.usage, choice.finish_reason
         except openai.APIStatusError as e:
@@ -169,26 +203,36 @@ def _client(base_url: str, api_key: str, timeout_s: float, retries: int):
 # ------------------------------------------------------------------------------ re-asking
 
 
-def reask_json(reply: Callable[[list[dict]], str], prompt: str, validate: Callable[[dict], str | None],
-               retries: int) -> tuple[dict | None, list[str]]:
-    """(the first valid JSON object, complaints so far) after at most ``retries`` re-asks.
+def reask(reply: Callable[[list[dict]], str], prompt: str, read: Callable[[str], tuple[object, str | None]],
+          retries: int, correction: str = "Reply with the corrected JSON object only.") -> tuple[object, list[str]]:
+    """(the first answer ``read`` accepts, complaints so far) after at most ``retries`` re-asks.
 
-    ``reply(messages) -> text`` asks the model; ``validate(obj)`` returns None for a valid object or
-    a complaint, which is sent back as the next user turn (after the model's own answer). No valid
-    object after the re-asks: (None, every complaint)."""
+    ``reply(messages) -> text`` asks the model; ``read(text) -> (answer, complaint)``: the complaint
+    None for an accepted answer, else sent back as the next user turn after the model's own reply,
+    with ``correction`` (so even a greedy model is asked something new). None accepted after the
+    re-asks: (None, every complaint)."""
     messages = [{"role": "user", "content": prompt}]
     complaints = []
     for _ in range(retries + 1):
         text = reply(messages)
-        obj = extract_json_object(text)
-        complaint = "no JSON object in the reply" if obj is None else validate(obj)
+        answer, complaint = read(text)
         if complaint is None:
-            return obj, complaints
+            return answer, complaints
         complaints.append(complaint)
         messages = messages[:1] + [{"role": "assistant", "content": text},
-                                   {"role": "user", "content": f"Invalid answer: {complaint}. Reply with the "
-                                                               "corrected JSON object only."}]
+                                   {"role": "user", "content": f"Invalid answer: {complaint}. {correction}"}]
     return None, complaints
+
+
+def reask_json(reply: Callable[[list[dict]], str], prompt: str, validate: Callable[[dict], str | None],
+               retries: int) -> tuple[dict | None, list[str]]:
+    """:func:`reask` for a JSON object that ``validate(obj)`` accepts (None) or complains about."""
+
+    def read(text: str) -> tuple[dict | None, str | None]:
+        obj = extract_json_object(text)
+        return obj, ("no JSON object in the reply" if obj is None else validate(obj))
+
+    return reask(reply, prompt, read, retries)
 
 
 def answer_key(*parts: str) -> str:
@@ -200,7 +244,7 @@ def ask_json(ep: Endpoint, prompt: str, validate: Callable[[dict], str | None], 
              cache: AppendCache | None = None) -> dict:
     """A valid JSON answer of ``ep`` to ``prompt`` (:func:`reask_json`), cached by (model, endpoint,
     prompt); :class:`LLMError` when none validates, :class:`EndpointError` when the endpoint is down."""
-    key = answer_key(ep.model, ep.base_url, prompt)
+    key = ep.cache_key(prompt)
     hit = cache.get(key) if cache else None
     if hit is not None:
         return hit["answer"]

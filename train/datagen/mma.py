@@ -27,7 +27,7 @@ from collections import Counter
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
 from longsft.train.common.jsontext import extract_json_object
-from longsft.train.common.llm import Endpoint, LLMError, answer_key
+from longsft.train.common.llm import Endpoint, LLMError, reask
 from longsft.train.data.prompts import render_prompt
 from longsft.train.data.schema import Sample, read_records
 from longsft.train.datagen.erhg import check_paths
@@ -49,7 +49,7 @@ def ask_summary(gen: Endpoint, prompt: str, retries: int, cache: AppendCache) ->
     """The generator's summary of ``prompt``'s article: the ``summary`` of a JSON reply, or else the reply's
     text itself (small models answer in prose; it is still the model's summary). Cached as :func:`ask_json`
     caches; :class:`LLMError` after ``retries`` + 1 empty replies."""
-    key = answer_key(gen.model, gen.base_url, prompt)
+    key = gen.cache_key(prompt)
     hit = cache.get(key)
     if hit is not None:
         return hit["answer"]["summary"]
@@ -66,22 +66,36 @@ def ask_summary(gen: Endpoint, prompt: str, retries: int, cache: AppendCache) ->
 def ask_judgement(judge: Endpoint, prompt: str, retries: int, cache: AppendCache) -> dict:
     """A judge's (or the arbiter's) judgement of the summary in ``prompt``: its reply read by the shared
     scorer's parser, the one evaluation reads the trained models' judgements with (JSON in the LongNovel
-    format, or a score stated in the text, as small models reply). ``{score (int 0..5), reason,
-    hallucination_types}``; cached as :func:`ask_summary` caches; :class:`LLMError` after ``retries`` + 1
-    replies without an integer score."""
-    key = answer_key(judge.model, judge.base_url, prompt)
+    format, or a score stated in the text, as small models reply). A reply without an integer score is
+    answered with the complaint and the format (a greedy judge re-asked the same prompt would repeat
+    itself). ``{score (int 0..5), reason, hallucination_types}``; cached as :func:`ask_summary` caches;
+    :class:`LLMError` after ``retries`` re-asks."""
+    key = judge.cache_key(prompt)
     hit = cache.get(key)
     if hit is not None:
         return hit["answer"]
-    for _ in range(retries + 1):
-        text = judge.chat([{"role": "user", "content": prompt}]).text
-        j = parse_judgement(text)
-        if j.score is not None and j.score == int(j.score):
-            answer = {"score": int(j.score), "reason": j.reason if j.reason is not None else text.strip(),
-                      "hallucination_types": j.types}
-            cache.put({"key": key, "answer": answer})
-            return answer
-    raise LLMError(f"{judge.model}: no judgement (an integer score 0..5) in {retries + 1} replies")
+    answer, complaints = reask(lambda messages: judge.chat(messages).text, prompt, read_judgement, retries,
+                               JUDGEMENT_FORMAT)
+    if answer is None:
+        raise LLMError(f"{judge.model}: no judgement (an integer score 0..5) in {retries + 1} replies: "
+                       f"{'; '.join(complaints)}")
+    cache.put({"key": key, "answer": answer})
+    return answer
+
+
+JUDGEMENT_FORMAT = ('Reply with the judgement only, as JSON: {"score": <an integer 0-5>, "reason": "<one sentence>", '
+                    '"hallucination_types": [<types, if any>]}.')
+
+
+def read_judgement(text: str) -> tuple[dict | None, str | None]:
+    """(judgement, None) for a reply with an integer score 0..5, else (None, the complaint)."""
+    j = parse_judgement(text)
+    if j.score is None:
+        return None, "no score in the reply"
+    if j.score != int(j.score):
+        return None, f"the score {j.score:g} is not an integer"
+    return {"score": int(j.score), "reason": j.reason if j.reason is not None else text.strip(),
+            "hallucination_types": j.types}, None
 
 
 def aggregate(a: dict, b: dict, max_gap: int = 1) -> tuple[int, list[str]] | None:
