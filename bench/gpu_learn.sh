@@ -2,7 +2,8 @@
 # bench/learn.py on the GPU machine: the real model (SmolLM2-135M-Instruct) learns the task (issue 34).
 # First bring the model and the wheels there with bench/gpu_carry.sh (two calls), then, on the same warm
 # machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
-#            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json)
+#            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json;
+#                                                              its MMA judges: learn.py's checkpoint if it ran)
 # Every phase of learn.py resumes: a run cut off by the time limit goes on where it stopped when run again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,12 @@ for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/l
 export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
 if [ "${1:-}" = table5 ]; then
   shift
-  python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "$@"
+  # the MMA judges: the checkpoint learn.py --gpu trained (its last stage's best), when it ran first
+  judge=$(python3 -c 'import json; s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
+print(f"/tmp/longsft_learn_gpu/run/stages/{list(s)[-1]}/best")' 2>/dev/null)
+  if [ -d "$judge" ]; then judge_args=(--judge-model "$judge"); else judge_args=(); fi
+  echo "MMA judges: ${judge_args[1]:-the base model}"
+  python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "${judge_args[@]}" "$@"
   rc=$?
   if [ -n "${OUT:-}" ]; then cp bench/results/table5_mini.json /tmp/longsft_table5_gpu/table5.md "$OUT"/ 2>/dev/null || true; fi
   exit $rc

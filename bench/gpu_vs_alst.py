@@ -28,8 +28,8 @@ in its own process: the host holds one model's ZeRO-3 state at a time.
 
 Per row: seconds, tokens/s, MFU (model FLOPs / (time x the data-sheet dense bf16 peak); model FLOPs
 6 x non-embedding parameters x tokens + 6 x layers x tokens^2 x heads x head_dim, causal attention
-forward and backward without recompute: ``gpu_train.model_flops``), ``max_memory_allocated``, the
-process's peak host RSS, and the loss (the same weights and sequence: the two losses agree to bf16's
+forward and backward without recompute: ``gpu_train.model_flops``), ``max_memory_allocated`` (for
+longsft's rows also the planner's estimate: issue 33's ±10 %), the process's peak host RSS, and the loss (the same weights and sequence: the two losses agree to bf16's
 precision). Writes bench/results/gpu_vs_alst.json (``--smoke``: gpu_vs_alst_smoke.json) after every row.
 """
 
@@ -238,7 +238,7 @@ def main() -> None:
                            "machine": machine})
 
     def on_row(row: dict) -> None:
-        finish(row, shape, nominal, bytes_per_token, full_layers)
+        finish(row, shape, dtype, nominal, bytes_per_token, full_layers)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "trace"}), flush=True)
         save()
@@ -265,8 +265,21 @@ def main() -> None:
     sys.exit(1 if bad else 0)
 
 
-def finish(row: dict, shape: dict, nominal: float | None, bytes_per_token: int, full_layers: int) -> None:
-    """Throughput and MFU of a measured row; the host memory the full depth's offloaded inputs would take."""
+def finish(row: dict, shape: dict, dtype: str, nominal: float | None, bytes_per_token: int, full_layers: int) -> None:
+    """Throughput and MFU of a measured row; for longsft's, `longsft plan`'s estimate of its peak (the
+    ``allocated`` total, no margins) for the row's choices; in the fit phase, the host memory the full
+    depth's offloaded inputs would take."""
+    if "step_s" in row and row["impl"] == "longsft":
+        from longsft.train.config.recipes import load_config
+
+        keys = [*run_args(shape, row["seq"], dtype, row["phase"], row["layers"]),
+                f"model.keep_attention={str(row['keep_attention']).lower()}"]
+        try:
+            row["predicted_bytes"] = onestep.planned(load_config("tiny", keys))[1].allocated
+            if row["peak_bytes"]:
+                row["memory_error"] = row["predicted_bytes"] / row["peak_bytes"] - 1
+        except Exception as e:  # (the measured figures stay)
+            row["planner_error"] = f"{type(e).__name__}: {e}"
     if "step_s" in row:
         layered = {**shape, "num_hidden_layers": row["layers"]}
         row["tokens_per_s"] = row["seq"] / row["step_s"]
@@ -295,17 +308,19 @@ def summary(rows: list[dict]) -> dict:
 
 
 def print_table(rows: list[dict], summ: dict) -> None:
-    print("\n| phase | impl | layers | tokens | s | tokens/s | MFU (data sheet) | peak GiB | host peak GiB | loss |\n"
-          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| phase | impl | layers | tokens | s | tokens/s | MFU (data sheet) | peak GiB | planner | host peak GiB "
+          "| loss |\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         if "step_s" not in r:
             why = "OOM" if r.get("oom") else r.get("skipped") or r.get("error", "failed")
-            print(f"| {r['phase']} | {r['impl']} | {r.get('layers', '')} | {r.get('seq', '')} | {why} | | | | | |")
+            print(f"| {r['phase']} | {r['impl']} | {r.get('layers', '')} | {r.get('seq', '')} | {why} | | | | | | |")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         peak = f"{r['peak_bytes'] / 2**30:.1f}" if r.get("peak_bytes") else "-"
+        plan = (f"{r['predicted_bytes'] / 2**30:.1f}" + (f" ({r['memory_error']:+.0%})" if "memory_error" in r else "")
+                if r.get("predicted_bytes") else "-")
         print(f"| {r['phase']} | {r['impl']} | {r['layers']} | {r['seq']} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} "
-              f"| {mfu} | {peak} | {r['host_peak_gib']:.1f} | {r['loss']:.4f} |")
+              f"| {mfu} | {peak} | {plan} | {r['host_peak_gib']:.1f} | {r['loss']:.4f} |")
     for seq, s in summ["time"].items():
         mem = f"{s['memory_ratio']:.2f}" if s["memory_ratio"] is not None else "-"
         print(f"{seq} tokens: longsft / ALST time {s['time_ratio']:.2f} (goal <= 0.7), memory {mem} (goal <= 1.0), "

