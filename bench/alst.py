@@ -14,6 +14,10 @@ over it (its ``mpu`` passed to ``deepspeed.initialize``) and the batch sharded b
   without it the head runs on the target positions only (``logits_to_keep``), as longsft's does;
 - ``offload_checkpoints``: each checkpointed layer's input copied to pinned host memory on a side
   stream during the forward (``CheckpointHiddenStatesOffload``; DeepSpeed skips it on CPU).
+
+Two departures from ArcticTraining's code, each to give ALST its intended behaviour under ZeRO-3 (see
+:func:`bind_tiled_loss` and :class:`CheckpointMarks`): the tiled loss runs as the model's forward
+through the engine, and the checkpointed inputs are marked after ZeRO-3's hooks.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ class Options:
     tiled_mlp: bool = False
     tiled_loss: bool = False
     offload_checkpoints: bool = False
+    loss_shards: int = 0  # the tiled loss's shards at every length (0: ArcticTraining's rule at build's seq)
 
 
 def build(cfg, seq: int, sp: int, options: Options):
     """(engine, mpu or None): ALST's engine for longsft's ``cfg`` (its model shape, dtype, seed and
-    DeepSpeed config: ``build_ds_config`` of the first stage)."""
+    DeepSpeed config: ``build_ds_config`` of the first stage); ``options.loss_shards`` fixed for every
+    length (0: ArcticTraining's rule at ``seq``)."""
     import deepspeed
     import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
@@ -56,7 +62,7 @@ def build(cfg, seq: int, sp: int, options: Options):
     model = AutoModelForCausalLM.from_config(hf, dtype=torch_dtype(cfg.model), attn_implementation="sdpa")
     model.train()
     kw = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.25's name
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers' name for it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
@@ -66,8 +72,13 @@ def build(cfg, seq: int, sp: int, options: Options):
     if sp > 1:
         mpu = UlyssesSPAttentionHF.register_with_transformers(model, "sdpa", sp, 1, seq_length=seq,
                                                               seq_length_is_variable=True)
+    if options.tiled_loss:
+        bind_tiled_loss(model, options.loss_shards or loss_shards(seq, hf.vocab_size))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds, mpu=mpu)
     engine.hf_ds_config = hf_ds
+    if options.offload_checkpoints:
+        engine.alst_marks = CheckpointMarks()
+        mark_checkpoint_inputs(model, engine.alst_marks)
     return engine, mpu
 
 
@@ -108,31 +119,73 @@ def loss_shards(seq: int, vocab: int) -> int:
     return max(1, math.ceil(seq * vocab * 4 / 2**30))
 
 
-def loss_sum(engine, batch: dict, options: Options):
-    """(sum of this rank's target cross-entropies (fp32), its target count): two 0-d tensors."""
+class CheckpointMarks:
+    """The checkpoint-offload context of the step in progress (None between steps).
+
+    DeepSpeed's own marker notes each decoder layer's input before the layer's hooks run; ZeRO-3's
+    forward pre-hook then hands the layer a new tensor (its backward hook's output), so the tensor the
+    checkpoint saves is never the marked one and nothing is offloaded. :func:`mark_checkpoint_inputs`
+    marks the input after ZeRO-3's hooks instead: the one the checkpoint saves."""
+
+    def __init__(self):
+        self.context = None
+
+
+def mark_checkpoint_inputs(model, marks: CheckpointMarks) -> None:
+    """A forward pre-hook on each decoder layer, registered after ``deepspeed.initialize`` (so it runs
+    after ZeRO-3's): the layer's input as the checkpoint will save it, marked for offload."""
+    import torch
+
+    def hook(module, args):
+        if marks.context is not None and args and torch.is_tensor(args[0]) and module.training \
+                and torch.is_grad_enabled():
+            marks.context.mark(args[0])
+
+    for layer in model.get_decoder().layers:
+        layer.register_forward_pre_hook(hook)
+
+
+def bind_tiled_loss(model, shards: int) -> None:
+    """ArcticTraining's SFT loss as the model's forward (``(input_ids, position_ids, shift_labels, scale) ->
+    sum of target cross-entropies x scale``): the decoder's last hidden state [1, seq, hidden], then the
+    head and cross-entropy through ``TiledFusedLogitsLoss`` in ``shards`` pieces over every position.
+
+    Called through the engine, so that ZeRO-3's root-module hooks run: the one that starts each step's
+    parameter trace is on the root (calling the decoder directly, as ArcticTraining does, leaves the
+    trace unrecorded: no prefetch, every weight fetched again on each use, the 1.2 GB head once per
+    shard). ``scale`` (1 / the step's target count) is applied inside: the tiled loss computes the head's
+    weight gradient in its forward with an incoming gradient of 1 and rescales only its input's gradient
+    in the backward, so a division after it would leave that weight gradient unscaled. A fixed shard
+    count keeps the module order, and so ZeRO-3's recorded trace, the same from one length to the next."""
     import torch.nn.functional as F
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
 
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+
+    def forward(input_ids, position_ids, shift_labels, scale: float):
+        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+
+        def fn(module, x, y):  # x [tokens, hidden], y [tokens]
+            return F.cross_entropy(module(x).float(), y, ignore_index=IGNORE, reduction="sum") * scale
+
+        return TiledFusedLogitsLoss.apply(fn, head, hidden, shift_labels, None, shards, [head.weight], "sum")
+
+    model.forward = forward
+
+
+def loss_sum(engine, batch: dict, options: Options, scale: float):
+    """This rank's sum of target cross-entropies (fp32, 0-d) times ``scale``."""
+    import torch.nn.functional as F
+
     targets = batch["shift_labels"]  # [1, seq]
+    if options.tiled_loss:
+        return engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], shift_labels=targets,
+                      scale=scale)
     keep = targets != IGNORE
-    model = engine.module
-    if not options.tiled_loss:
-        out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=keep,
-                     use_cache=False)
-        logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
-        return F.cross_entropy(logits, targets[keep], reduction="sum"), keep.sum()
-    # the decoder and the head called apart, as ArcticTraining's SFT loss does (ZeRO-3's hooks are on
-    # every module: each gathers its own weights)
-    hidden = model.get_decoder()(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                                 use_cache=False).last_hidden_state  # [1, seq, hidden]
-    head = model.get_output_embeddings()
-
-    def fn(module, x, y):  # x [tokens, hidden], y [tokens]
-        return F.cross_entropy(module(x).float(), y, ignore_index=IGNORE, reduction="sum")
-
-    shards = loss_shards(hidden.shape[1], model.config.vocab_size)
-    loss = TiledFusedLogitsLoss.apply(fn, head, hidden, targets, None, shards, [head.weight], "sum")
-    return loss, keep.sum()
+    out = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], logits_to_keep=keep,
+                 use_cache=False)
+    logits = out.logits.reshape(-1, out.logits.shape[-1]).float()
+    return F.cross_entropy(logits, targets[keep], reduction="sum") * scale
 
 
 def checkpoint_offload(options: Options):
@@ -145,19 +198,32 @@ def checkpoint_offload(options: Options):
 
 
 def step(engine, mpu, batch: dict, options: Options, optimizer_step: bool = True) -> tuple[float, float | None]:
-    """One step as ALST's tutorial takes it: each rank's loss sum all-gathered over the SP group and
-    divided by the group's target count (one rank: its own). Returns (loss, gradient norm);
-    ``optimizer_step=False``: forward and backward only, the gradients then dropped (norm None)."""
+    """One step as ALST's tutorial takes it: the SP group's target count first, each rank's loss sum
+    divided by it, all-gathered and added (one rank: its own). Returns (loss, gradient norm);
+    ``optimizer_step=False``: forward and backward only, the gradients then dropped (norm None). With
+    ``offload_checkpoints`` the offload context's counts are left in ``engine.alst_offload_stats``."""
+    import torch.distributed as dist
     import torch.distributed.nn.functional as dnnf
 
-    with checkpoint_offload(options):
-        total, n = loss_sum(engine, batch, options)
-        if mpu is not None:
-            group = mpu.get_sequence_parallel_group()
-            total = sum(dnnf.all_gather(total, group=group))
-            n = sum(dnnf.all_gather(n.float(), group=group))
-        loss = total / n
-        engine.backward(loss)
+    n = (batch["shift_labels"] != IGNORE).sum()
+    if mpu is not None:
+        group = mpu.get_sequence_parallel_group()
+        dist.all_reduce(n, group=group)
+    context = checkpoint_offload(options)
+    marks = getattr(engine, "alst_marks", None)
+    with context:
+        if marks is not None:
+            marks.context = context
+        try:
+            loss = loss_sum(engine, batch, options, 1.0 / n.item())
+            if mpu is not None:
+                loss = sum(dnnf.all_gather(loss, group=group))
+            engine.backward(loss)
+        finally:
+            if marks is not None:
+                marks.context = None
+    if options.offload_checkpoints:
+        engine.alst_offload_stats = vars(context.stats).copy()
     if not optimizer_step:
         engine.optimizer.zero_grad(set_to_none=True)
         return loss.item(), None

@@ -32,7 +32,7 @@ else
   if [ "$only" = vs_alst ]; then
     rm -f bench/results/gpu_vs_alst.json
     echo "set-up: $((SECONDS - t_all)) s"
-    timeout -k 5 580 python3 bench/gpu_vs_alst.py; rc=$?
+    timeout -k 5 540 python3 bench/gpu_vs_alst.py; rc=$?
     [ -z "${OUT:-}" ] || cp bench/results/gpu_vs_alst.json "$OUT"/ 2>/dev/null || true
     echo "all: $((SECONDS - t_all)) s"
     exit $rc
