@@ -139,11 +139,31 @@ def test_mma_judges_arbiter_and_disagreement_stats(server, tmp_path):
     assert bad["gold_score"] == 2 and bad["arbitrated"] and bad["types"] == ["fabrication"]  # 1 vs 4: arbiter
     assert stats["label_agreement"] == 0.5 and stats["arbitrated"] == 3 and stats["arbiter_sided"] == {"a": 3}
     assert stats["mean_score_gap"] == pytest.approx((1 + 3) / 2)
-    assert stats["judge_labels"] == {"FF": 3, "HF": 3}
+    assert stats["judge_labels"] == {"FF": 3, "HF": 3} and stats["unjudged"] == {"a": 0, "b": 0}
     before = sum(server.requests.values())
     run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen-good"), ep("gen-bad")], [ep("judge-a"), ep("judge-b")],
             ep("arbiter"))
     assert sum(server.requests.values()) == before  # resumed from the answer cache
+
+
+def test_mma_asks_both_judges_and_counts_each_ones_failures(tmp_path):
+    """A judge that never gives a score drops the summary (a problem naming it), but the other judge is
+    still asked, and the stats count the unjudged summaries per judge."""
+    src = tmp_path / "articles.jsonl"
+    src.write_text("".join(json.dumps({"id": f"a{i}", "language": "en", "article": f"STORY-{i} text."}) + "\n"
+                           for i in range(2)))
+    replies = {"gen": '{"summary": "A faithful account."}', "ja": "Hmm.", "jb": '{"score": 4, "reason": "ok"}'}
+    s = Server(lambda body: (200, {}, replies[body["model"]]))
+    try:
+        ep = lambda m: Endpoint(m, s.url)  # noqa: E731
+        stats = run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen")], [ep("ja"), ep("jb")], ep("jb"),
+                        retries=1)
+        assert stats["summaries"] == 0 and stats["unjudged"] == {"a": 2, "b": 0}
+        assert s.requests["ja"] == 4 and s.requests["jb"] == 2  # 2 tries each for A; B asked all the same
+        problems = [json.loads(x) for x in (tmp_path / "mma.jsonl.problems.jsonl").read_text().splitlines()]
+        assert len(problems) == 2 and all(p["problem"].startswith(f"ja@{s.url}: no judgement") for p in problems)
+    finally:
+        s.close()
 
 
 def test_mma_needs_two_judges(tmp_path):

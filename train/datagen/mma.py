@@ -14,7 +14,8 @@ Aggregation (our reading of the paper's arbitration):
   drops the summary (reported with its id).
 
 Disagreement statistics: label agreement rate, mean absolute score gap, the judges' 2x2 label
-table, and how often the arbiter sided with each judge. Answers are cached (``<out>.cache.jsonl``)
+table, how many summaries each judge left unjudged (both are always asked), and how often the
+arbiter sided with each judge. Answers are cached (``<out>.cache.jsonl``)
 so an interrupted build resumes without asking again.
 """
 
@@ -127,11 +128,21 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
             sid = f"{rec['id']}-mma-{gen.model}"
             try:
                 summary = ask_summary(gen, SUMMARIZE[lang] + article, retries, cache)
-                prompt = judge_prompt(lang, article, summary)
-                ja, jb = (ask_judgement(j, prompt, retries, cache) for j in judges)
             except LLMError as e:
                 problems.append({"id": sid, "problem": str(e)})
                 continue
+            prompt = judge_prompt(lang, article, summary)
+            answers, failed = [], []
+            for side, judge in zip("ab", judges):  # both asked, so that each judge's failures are counted
+                try:
+                    answers.append(ask_judgement(judge, prompt, retries, cache))
+                except LLMError as e:
+                    failed.append(str(e))
+                    stats[f"unjudged_{side}"] += 1
+            if failed:
+                problems.append({"id": sid, "problem": "; ".join(failed)})
+                continue
+            ja, jb = answers
             stats["pairs"] += 1
             stats["gap_sum"] += abs(int(ja["score"]) - int(jb["score"]))
             pair_labels[f"{'H' if ja['score'] <= 2 else 'F'}{'H' if jb['score'] <= 2 else 'F'}"] += 1
@@ -162,7 +173,8 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
     summary = {"summaries": len(samples), "problems": len(problems), "judged": pairs,
                "label_agreement": (pair_labels["HH"] + pair_labels["FF"]) / pairs if pairs else None,
                "mean_score_gap": stats["gap_sum"] / pairs if pairs else None,
-               "judge_labels": dict(pair_labels), "arbitrated": stats["arbitrated"],
+               "judge_labels": dict(pair_labels), "unjudged": {"a": stats["unjudged_a"], "b": stats["unjudged_b"]},
+               "arbitrated": stats["arbitrated"],
                "arbiter_sided": {k.removeprefix("arbiter_sided_"): v for k, v in stats.items()
                                  if k.startswith("arbiter_sided_")},
                "hallucinated": sum(s["gold_score"] <= 2 for s in samples)}
