@@ -16,9 +16,9 @@ for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/l
 export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
 if [ "${1:-}" = table5 ]; then
   shift
-  # the MMA judges: the checkpoint learn.py --gpu trained (its last stage's best), when it ran first
-  judge=$(python3 -c 'import json; s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
-print(f"/tmp/longsft_learn_gpu/run/stages/{list(s)[-1]}/best")' 2>/dev/null)
+  # the MMA judges: the checkpoint learn.py --gpu trained (the latest stage's best there is), when it ran first
+  judge=$(python3 -c 'import json, os; s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
+print(next((b for b in (f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n in reversed(list(s))) if os.path.isdir(b)), ""))' 2>/dev/null)
   if [ -d "$judge" ]; then judge_args=(--judge-model "$judge"); else judge_args=(); fi
   echo "MMA judges: ${judge_args[1]:-the base model}"
   python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "${judge_args[@]}" "$@"
