@@ -155,6 +155,25 @@ class HFBackend:
                            else "stop") for text, i, o in zip(texts, ids, outs)]
 
 
+    def generate_batch(self, prompts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
+        """Greedy replies to prompt token ids, generated together in one left-padded batch, each cut at its
+        own ``max_tokens`` (greedy: the tokens it would get with that cap alone, up to arithmetic: padding
+        can change bf16 results on a GPU); each reply's seconds are the batch's."""
+        from longsft.train.model.generate import generate_many
+
+        t0, limit = time.time(), max(max_tokens)
+        budget = len(prompts) * (max(len(p) for p in prompts) + limit)  # one batch
+        outs = generate_many(self.model, prompts, limit, self.tok.pad_token_id, self.tok.eos_token_id, budget,
+                             self.device)
+        seconds = time.time() - t0
+        eos = self.tok.eos_token_id if isinstance(self.tok.eos_token_id, list) else [self.tok.eos_token_id]
+        made = []
+        for ids, out, cap in zip(prompts, outs, max_tokens):
+            out = out[:cap]
+            finish = "length" if len(out) >= cap and (not out or out[-1] not in eos) else "stop"
+            made.append(Generation(self.decode(out), len(ids), len(out), seconds, finish_reason=finish))
+        return made
+
 class _TokenStream:
     """transformers' streamer interface (``put``/``end``): each new token id to ``on_token`` (the first
     ``put`` is the prompt)."""

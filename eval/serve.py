@@ -2,7 +2,7 @@
 
     longsft serve model=runs/tiny/stages/s4k/best [tokenizer=qwen] [port=8000] [host=127.0.0.1]
         [max_new_tokens=512] [temperature=0] [served_model_name=NAME] [api_key=KEY | $LONGSFT_API_KEY]
-        [max_body_bytes=8388608] [timeout=30] [max_queue=64] [max_pending=128]
+        [max_body_bytes=8388608] [timeout=30] [max_queue=64] [max_pending=128] [batch=1]
 
 Scope: ``POST /v1/chat/completions`` (the whole conversation through the tokenizer's chat template) and
 ``POST /v1/completions`` (a plain prompt), each whole or streamed (``stream: true``: server-sent events,
@@ -19,7 +19,9 @@ body within ``timeout`` of its headers (408), and a connection that sends nothin
 closed after ``timeout`` (or sooner, oldest first, beyond ``max_pending``); beyond ``max_queue`` requests
 waiting for the model, a request gets 503. Every error is JSON in OpenAI's shape. The model generates one
 request at a time, in arrival order, so a request waits at most for those ahead of it, each bounded by
-``max_new_tokens``: that cap is the fairness guarantee (no batching or preemption). A streamed request whose
+``max_new_tokens``: that cap is the fairness guarantee (no preemption). ``batch=N`` (default 1: none)
+generates greedy whole requests that wait together as one left-padded batch of up to N (a GPU makes
+N replies in about the time of one; streamed and sampled requests still go one at a time). A streamed request whose
 client goes away stops generating at the next token. A missing or cut-off model, and a port in use, are
 reported (exit 2) before the model loads; a host other than loopback is warned about.
 
@@ -71,6 +73,7 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20  # larger request bodies: 413, unread
     timeout: float = 30.0  # seconds: for a request's headers, then for its body; idle connections closed after it
     max_queue: int = 64  # requests waiting while the model generates another; beyond: 503
+    batch: int = 1  # greedy whole (not streamed) requests waiting together generated as one batch, up to this many
     max_pending: int = 128  # open connections whose request has not arrived; beyond: the oldest is closed
 
     def validate(self) -> None:
@@ -78,7 +81,7 @@ class ServeConfig:
             raise ConfigError("model= is required (longsft serve model=PATH)")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port={self.port} must be in 0..65535 (0: any free port)")
-        for key in ("max_new_tokens", "max_body_bytes", "max_queue", "max_pending"):
+        for key in ("max_new_tokens", "max_body_bytes", "max_queue", "max_pending", "batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}={getattr(self, key)} must be >= 1")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
@@ -106,12 +109,15 @@ def api_key(cfg: ServeConfig) -> str | None:
 
 class ModelQueue:
     """The model, one generation at a time in arrival order (asyncio's lock wakes its waiters first come,
-    first served) on one worker thread, with at most ``max_queue`` requests waiting behind the one running."""
+    first served) on one worker thread, with at most ``max_queue`` requests waiting behind the one running.
+    With ``batch`` > 1 a greedy request takes the greedy requests waiting with it (up to ``batch``, oldest
+    first) into one batched generation (:meth:`greedy`)."""
 
-    def __init__(self, backend, max_queue: int):
-        self.backend, self.max_queue, self.admitted = backend, max_queue, 0
+    def __init__(self, backend, max_queue: int, batch: int = 1):
+        self.backend, self.max_queue, self.batch, self.admitted = backend, max_queue, batch, 0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="longsft-model")
         self._lock: asyncio.Lock | None = None
+        self.waiting: list[tuple[list[int], int, asyncio.Future]] = []  # greedy requests not yet generated
 
     def admit(self) -> Callable[[], None]:
         """Count a request in, or refuse it (503) when ``max_queue`` already wait. Returns the call that counts
@@ -140,6 +146,28 @@ class ModelQueue:
         async with self.lock:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
+    async def greedy(self, ids: list[int], max_tokens: int):
+        """The greedy reply to ``ids``. With ``batch`` > 1: queued, and whoever holds the model next takes the
+        oldest ``batch`` queued into one batch (the lock is first come, first served, so a request that finds
+        its reply not yet made when its turn comes is among those oldest)."""
+        if self.batch <= 1:
+            return await self.run(lambda: self.backend.generate_ids(ids, max_tokens))
+        mine = asyncio.get_running_loop().create_future()
+        self.waiting.append((ids, max_tokens, mine))
+        async with self.lock:
+            if not mine.done():
+                take, self.waiting = self.waiting[:self.batch], self.waiting[self.batch:]
+                try:
+                    made = await asyncio.get_running_loop().run_in_executor(
+                        self.pool, lambda: self.backend.generate_batch([t[0] for t in take], [t[1] for t in take]))
+                except Exception as e:
+                    for *_, f in take:
+                        f.set_exception(e)
+                else:
+                    for (*_, f), g in zip(take, made):
+                        f.set_result(g)
+        return mine.result()
+
 
 def _json(status: int, obj: dict, headers: dict | None = None):
     from starlette.responses import JSONResponse
@@ -161,7 +189,7 @@ class App:
 
         self.cfg, self.backend, self.name = cfg, backend, served_name(cfg)
         self.api_key = api_key(cfg)
-        self.model = ModelQueue(backend, cfg.max_queue)
+        self.model = ModelQueue(backend, cfg.max_queue, cfg.batch)
         self.created = int(time.time())
 
     def asgi(self):
@@ -225,8 +253,11 @@ class App:
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "Connection": "close"})
         try:
-            g = await self.model.run(lambda: self.backend.generate_ids(ids, req.max_tokens, req.temperature,
-                                                                       req.top_p, req.seed))
+            if req.temperature == 0:
+                g = await self.model.greedy(ids, req.max_tokens)
+            else:
+                g = await self.model.run(lambda: self.backend.generate_ids(ids, req.max_tokens, req.temperature,
+                                                                           req.top_p, req.seed))
         except Exception:  # the model failed (out of memory, a bug): say so and keep serving
             traceback.print_exc()
             return _json(500, error_body(500, "generation failed; see the server's log"))

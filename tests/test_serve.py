@@ -203,6 +203,46 @@ def test_requests_beyond_the_queue_get_503_and_the_queue_drains(backend, model, 
         assert server.app.model.admitted == 0 and call(server)[0] == 200
 
 
+def test_batch_generates_waiting_greedy_requests_together_with_their_own_replies(backend, model, monkeypatch):
+    """``batch=3``: while one request generates (held here), three greedy requests and a sampled one queue;
+    the three then go as one batch (the sampled one alone), and each reply is the one it gets unbatched,
+    cut at its own max_tokens."""
+    asks = [{"messages": [{"role": "user", "content": f"story {i}" * (i + 1)}], "max_tokens": n}
+            for i, n in enumerate((6, 3, 8))]
+    with running(backend, model) as server:
+        alone = [call(server, body=b)[1] for b in asks]
+    release, started, batches = threading.Event(), threading.Event(), []
+    real_one, real_batch = backend.generate_ids, backend.generate_batch
+
+    def held(*a, **k):
+        if not started.is_set():
+            started.set()
+            release.wait(30)
+        return real_one(*a, **k)
+
+    def batch(prompts, max_tokens):
+        batches.append(list(max_tokens))
+        return real_batch(prompts, max_tokens)
+
+    monkeypatch.setattr(backend, "generate_ids", held)
+    monkeypatch.setattr(backend, "generate_batch", batch)
+    with running(backend, model, batch=3) as server:
+        with ThreadPoolExecutor(5) as pool:
+            first = pool.submit(call, server, body={**HI, "temperature": 0.5, "seed": 1})  # holds the model
+            assert started.wait(10)
+            got = [pool.submit(call, server, body=b) for b in asks]
+            sampled = pool.submit(call, server, body={**HI, "temperature": 0.7, "seed": 2})
+            until(lambda: server.app.model.admitted == 5)
+            release.set()
+            got = [f.result() for f in got]
+            assert first.result()[0] == 200 and sampled.result()[0] == 200
+    assert len(batches) == 1 and sorted(batches[0]) == [3, 6, 8]  # (in arrival order)
+    for (status, r), want in zip(got, alone):
+        assert status == 200 and r["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+        assert r["usage"]["completion_tokens"] == want["usage"]["completion_tokens"]
+        assert r["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+
+
 def test_the_openai_sdk_gets_chat_and_completions_whole_and_streamed(backend, model):
     """What clients use: models, chat and completions through the real ``openai`` SDK, ``stream=True`` giving
     the same text as the whole reply (greedy), the usage chunk when asked, and a stream left early stops."""
@@ -293,6 +333,7 @@ def test_port_in_use_exits_2_before_the_model_loads(model, capsys, monkeypatch):
                                        ("timeout=0", "timeout"),
                                        ("max_queue=-3", "max_queue"),
                                        ("max_pending=0", "max_pending"), ("temperature=3", "temperature"),
+                                       ("batch=0", "batch"),
                                        ("dtype=fp16", "dtype"), ("api_key=", "api_key"), ("portt=1", "port"),
                                        ("host=no.such.host.invalid", "host=no.such.host.invalid")])
 def test_bad_settings_are_one_line_errors(arg, says, model, capsys):
