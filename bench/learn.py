@@ -62,7 +62,8 @@ def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path, model
     """One longsft data sample call per bucket (each its own size; the test set is the 512 bucket's)."""
     seconds = 0.0
     for bucket, n in sizes.items():
-        if not (out / bucket / "train.jsonl").exists():
+        last = "test" if bucket == "512" and test else "validation"  # the last file data sample writes
+        if not (out / bucket / f"{last}.jsonl").exists():
             seconds += sh([*CLI, "data", "sample", "--out", str(out), "--languages", "en", "--balanced", "--buckets",
                            bucket, "--n", str(n), "--n-validation", str(val), "--n-test",
                            str(test if bucket == "512" else 0), "--tokenizer", model], log)
@@ -72,7 +73,8 @@ def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path, model
 def evaluate(model: str, test: Path, out: Path, log: Path, extra: list[str] = ()) -> float:
     if (out / "eval.json").exists():
         return 0.0
-    # dtype auto: fp32 for both, the checkpoints' dtype, and for the GGUF file, whose header names no float type
+    # dtype auto (CPU): fp32 for both, the checkpoints' dtype, and for the GGUF file, whose header names no
+    # float type; --gpu passes dtype=bf16
     return sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out}", "max_new_tokens=48", "progress=false",
                *extra], log)
 
@@ -106,7 +108,10 @@ def main() -> None:
     args.json = args.json or ("learn_gpu" if args.gpu else "learn")
     model = args.model
     train_keys = ([f"model.path={model}"] if model != MODEL else []) + \
-        (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2"] if args.gpu else [])
+        (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
+          # a 135M model on a 140 GB GPU: no recompute; validation in batches of many items (the CUDA
+          # default budget is the stage's seq_len: one item at a time)
+          "model.gradient_checkpointing=false", "validation.batch_tokens=65536"] if args.gpu else [])
     eval_keys = ["dtype=bf16"] if args.gpu else []
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +129,8 @@ def main() -> None:
     run = out / "run"
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
     if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
-        timed("train", sh([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={1 if args.gpu else 2}",
+        timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc_per_node={1 if args.gpu else 2}",
                             str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}",
                             f"data.train_file={out}/data/{{bucket}}/train.jsonl",
                             f"data.validation_file={out}/data/{{bucket}}/validation.jsonl",

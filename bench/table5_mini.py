@@ -179,7 +179,7 @@ def main() -> None:
         args = subprocess.run([*CLI, "sweep", str(sweep), "--root", str(runs), "--task", index, "--print0",
                                "recipe=smollm2_135m", *train_keys, *extra], cwd=ROOT, env=ENV, capture_output=True,
                               check=True).stdout.decode().split("\0")[:-1]
-        sh([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+        sh([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(ROOT / "launch" / "curriculum.py"), *args], log)
         done(f"train_{name}")
     test = arms / "heldout" / "512" / "test.jsonl"
