@@ -100,6 +100,9 @@ def data_command(argv: list[str]) -> int:
     m.add_argument("--judge", action="append", required=True, help="MODEL@URL (exactly twice)")
     m.add_argument("--arbiter", required=True, help="MODEL@URL")
     m.add_argument("--max-gap", type=int, default=1, help="judges agree within this many points (same label)")
+    m.add_argument("--concurrency", type=int, default=1,
+                   help="articles worked on at once (a server that batches or runs requests side by side: vLLM, "
+                        "longsft serve batch=N)")
     m.add_argument("--max-tokens", type=int, default=1024, help="the most tokens of each model's reply")
     args = ap.parse_args(argv)
     if args.cmd in ("erhg", "mma"):
@@ -166,6 +169,8 @@ def _synthesise(args) -> int:
             raise ConfigError(f"--judge: MMA needs exactly two judges, got {len(args.judge)}")
         if args.max_gap < 0:
             raise ConfigError(f"--max-gap {args.max_gap}: must be >= 0")
+        if args.concurrency < 1:
+            raise ConfigError(f"--concurrency {args.concurrency}: must be >= 1")
         if args.max_tokens < 1:
             raise ConfigError(f"--max-tokens {args.max_tokens}: must be >= 1")
         sized = lambda spec: replace(endpoint(spec), max_tokens=args.max_tokens)  # noqa: E731
@@ -182,7 +187,7 @@ def _synthesise(args) -> int:
         if args.cmd == "mma":
             from longsft.train.datagen.mma import run as run_mma
 
-            stats = run_mma(args.input, args.out, *eps, args.max_gap)
+            stats = run_mma(args.input, args.out, *eps, args.max_gap, concurrency=args.concurrency)
         else:
             from longsft.train.datagen.erhg import LLMEngine, RuleEngine
             from longsft.train.datagen.erhg import run as run_erhg

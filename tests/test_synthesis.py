@@ -144,6 +144,10 @@ def test_mma_judges_arbiter_and_disagreement_stats(server, tmp_path):
     run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen-good"), ep("gen-bad")], [ep("judge-a"), ep("judge-b")],
             ep("arbiter"))
     assert sum(server.requests.values()) == before  # resumed from the answer cache
+    # three articles at once: the same samples, in the same order, and the same statistics
+    again = run_mma(str(src), str(tmp_path / "mma3.jsonl"), [ep("gen-good"), ep("gen-bad")],
+                    [ep("judge-a"), ep("judge-b")], ep("arbiter"), concurrency=3)
+    assert again == stats and (tmp_path / "mma3.jsonl").read_text() == (tmp_path / "mma.jsonl").read_text()
 
 
 def test_mma_asks_both_judges_and_counts_each_ones_failures(tmp_path):

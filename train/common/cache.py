@@ -4,6 +4,7 @@ and judge answers (ConStory)."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from longsft.train.common.io import JsonlLog, iter_jsonl
@@ -23,6 +24,7 @@ class AppendCache:
         self.failed: dict[str, dict] = {}
         self.added = 0
         self.log = JsonlLog(path) if path is not None else None
+        self._lock = threading.Lock()  # puts from several threads (data mma's concurrency) stay whole lines
         for _, rec in iter_jsonl(path, log=True) if path is not None else ():
             if "key" in rec:
                 self._keep(rec)
@@ -37,10 +39,11 @@ class AppendCache:
         return self.good.get(key) or self.failed.get(key)
 
     def put(self, rec: dict) -> None:
-        self._keep(rec)
-        self.added += 1
-        if self.log is not None:
-            self.log.write(rec)
+        with self._lock:
+            self._keep(rec)
+            self.added += 1
+            if self.log is not None:
+                self.log.write(rec)
 
     def close(self) -> None:
         if self.log is not None:

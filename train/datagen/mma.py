@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
@@ -109,64 +110,84 @@ def aggregate(a: dict, b: dict, max_gap: int = 1) -> tuple[int, list[str]] | Non
     return score, types if score <= 2 else []
 
 
+def judged(rec: dict, gen: Endpoint, judges: list[Endpoint], arbiter: Endpoint, max_gap: int, retries: int,
+           cache: AppendCache) -> dict:
+    """One article summarised by ``gen`` and judged: ``{"sample"}`` (the MMA sample, its judgements and
+    whom the arbiter sided with) or ``{"problem"}``, with ``unjudged`` (the judges that gave no score)."""
+    lang, article = rec["language"], rec["article"]
+    sid = f"{rec['id']}-mma-{gen.model}"
+    try:
+        summary = ask_summary(gen, SUMMARIZE[lang] + article, retries, cache)
+    except LLMError as e:
+        return {"problem": {"id": sid, "problem": str(e)}, "unjudged": []}
+    prompt = judge_prompt(lang, article, summary)
+    answers, failed, unjudged = [], [], []
+    for side, judge in zip("ab", judges):  # both asked, so that each judge's failures are counted
+        try:
+            answers.append(ask_judgement(judge, prompt, retries, cache))
+        except LLMError as e:
+            failed.append(str(e))
+            unjudged.append(side)
+    if failed:
+        return {"problem": {"id": sid, "problem": "; ".join(failed)}, "unjudged": unjudged}
+    ja, jb = answers
+    agreed, sided = aggregate(ja, jb, max_gap), None
+    if agreed is None:
+        try:
+            arb = ask_judgement(arbiter, prompt + ARBITRATE.format(a=json.dumps(ja, ensure_ascii=False),
+                                                                  b=json.dumps(jb, ensure_ascii=False)),
+                                retries, cache)
+        except LLMError as e:
+            return {"problem": {"id": sid, "problem": f"arbiter: {e}"}, "unjudged": [], "judges": (ja, jb),
+                    "arbitrated": True}
+        score = int(arb["score"])
+        types = normalize_types(arb.get("hallucination_types")) if score <= 2 else []
+        sided = "+".join(x for x, j in (("a", ja), ("b", jb)) if (int(j["score"]) <= 2) == (score <= 2)) or "neither"
+    else:
+        score, types = agreed
+    sample = {**{k: v for k, v in rec.items() if k not in ("summary", "types", "gold_score", "output", "reason")},
+              "id": sid, "summary": summary.strip(), "gold_score": score, "types": types, "source": "mma",
+              "generator": gen.model, "parent": rec["id"], "judges": [ja, jb], "arbitrated": agreed is None}
+    return {"sample": sample, "unjudged": [], "judges": (ja, jb), "arbitrated": agreed is None, "sided": sided}
+
+
 def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint], arbiter: Endpoint,
-        max_gap: int = 1, retries: int = 3) -> dict:
+        max_gap: int = 1, retries: int = 3, concurrency: int = 1) -> dict:
     """MMA over a samples file (id, language, article; checked before any request).
 
-    A reply that never validates drops that summary (``problems``); an endpoint that does not
-    answer stops the run (:class:`~longsft.train.common.llm.EndpointError`), the answers so far cached."""
+    ``concurrency`` articles are worked on at once (each its summary, judges and arbiter in turn), so a
+    server that batches, or serves requests side by side, is kept busy; the output is in input order
+    whatever it is. A reply that never validates drops that summary (``problems``); an endpoint that does
+    not answer stops the run (:class:`~longsft.train.common.llm.EndpointError`), the answers so far cached."""
     if len(judges) != 2:
         raise ValueError("MMA needs exactly two judges (--judge twice)")
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency} must be >= 1")
     check_paths(inputs, out)
     recs = read_records(inputs, ("id", "language", "article"))
     cache = AppendCache(str(out) + ".cache.jsonl")
-    samples, problems, stats = [], [], Counter()
-    pair_labels = Counter()
-    for rec in recs:
-        lang, article = rec["language"], rec["article"]
-        for gen in generators:
-            sid = f"{rec['id']}-mma-{gen.model}"
-            try:
-                summary = ask_summary(gen, SUMMARIZE[lang] + article, retries, cache)
-            except LLMError as e:
-                problems.append({"id": sid, "problem": str(e)})
-                continue
-            prompt = judge_prompt(lang, article, summary)
-            answers, failed = [], []
-            for side, judge in zip("ab", judges):  # both asked, so that each judge's failures are counted
-                try:
-                    answers.append(ask_judgement(judge, prompt, retries, cache))
-                except LLMError as e:
-                    failed.append(str(e))
-                    stats[f"unjudged_{side}"] += 1
-            if failed:
-                problems.append({"id": sid, "problem": "; ".join(failed)})
-                continue
-            ja, jb = answers
-            stats["pairs"] += 1
-            stats["gap_sum"] += abs(int(ja["score"]) - int(jb["score"]))
-            pair_labels[f"{'H' if ja['score'] <= 2 else 'F'}{'H' if jb['score'] <= 2 else 'F'}"] += 1
-            agreed = aggregate(ja, jb, max_gap)
-            if agreed is None:
-                stats["arbitrated"] += 1
-                try:
-                    arb = ask_judgement(arbiter, prompt + ARBITRATE.format(a=json.dumps(ja, ensure_ascii=False),
-                                                                          b=json.dumps(jb, ensure_ascii=False)),
-                                        retries, cache)
-                except LLMError as e:
-                    problems.append({"id": sid, "problem": f"arbiter: {e}"})
-                    continue
-                score = int(arb["score"])
-                types = normalize_types(arb.get("hallucination_types")) if score <= 2 else []
-                side = [x for x, j in (("a", ja), ("b", jb)) if (int(j["score"]) <= 2) == (score <= 2)]
-                stats[f"arbiter_sided_{'+'.join(side) or 'neither'}"] += 1
-            else:
-                score, types = agreed
-            samples.append({**{k: v for k, v in rec.items()
-                               if k not in ("summary", "types", "gold_score", "output", "reason")},
-                            "id": sid, "summary": summary.strip(), "gold_score": score, "types": types,
-                            "source": "mma", "generator": gen.model, "parent": rec["id"],
-                            "judges": [ja, jb], "arbitrated": agreed is None})
+    work = [(rec, gen) for rec in recs for gen in generators]
+    one = lambda item: judged(*item, judges, arbiter, max_gap, retries, cache)  # noqa: E731
+    if concurrency == 1:
+        results = [one(item) for item in work]
+    else:
+        with ThreadPoolExecutor(concurrency, thread_name_prefix="mma") as pool:
+            results = list(pool.map(one, work))
+    samples = [r["sample"] for r in results if "sample" in r]
+    problems = [r["problem"] for r in results if "problem" in r]
+    stats, pair_labels = Counter(), Counter()
+    for r in results:
+        for side in r["unjudged"]:
+            stats[f"unjudged_{side}"] += 1
+        if "judges" not in r:
+            continue
+        ja, jb = r["judges"]
+        stats["pairs"] += 1
+        stats["gap_sum"] += abs(int(ja["score"]) - int(jb["score"]))
+        pair_labels[f"{'H' if ja['score'] <= 2 else 'F'}{'H' if jb['score'] <= 2 else 'F'}"] += 1
+        stats["arbitrated"] += r["arbitrated"]
+        if r.get("sided"):
+            stats[f"arbiter_sided_{r['sided']}"] += 1
     atomic_write_text(out, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
     atomic_write_text(str(out) + ".problems.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in problems))
     pairs = stats["pairs"]
