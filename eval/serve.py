@@ -149,13 +149,14 @@ class ModelQueue:
     async def greedy(self, ids: list[int], max_tokens: int):
         """The greedy reply to ``ids``. With ``batch`` > 1: queued, and whoever holds the model next takes the
         oldest ``batch`` queued into one batch (the lock is first come, first served, so a request that finds
-        its reply not yet made when its turn comes is among those oldest)."""
+        its reply not yet made when its turn comes is among those oldest, unless requests ahead of it went
+        away while waiting: then it generates theirs first)."""
         if self.batch <= 1:
             return await self.run(lambda: self.backend.generate_ids(ids, max_tokens))
         mine = asyncio.get_running_loop().create_future()
         self.waiting.append((ids, max_tokens, mine))
         async with self.lock:
-            if not mine.done():
+            while not mine.done():  # (more than once only when requests ahead of it left while waiting)
                 take, self.waiting = self.waiting[:self.batch], self.waiting[self.batch:]
                 try:
                     made = await asyncio.get_running_loop().run_in_executor(

@@ -344,3 +344,28 @@ def test_bad_settings_are_one_line_errors(arg, says, model, capsys):
 def test_model_is_required(capsys):
     code, _, err = run_cli(capsys, "serve", "port=0")
     assert code == 2 and "model= is required" in err
+
+
+def test_a_batched_request_behind_requests_that_left_still_gets_its_reply():
+    """Two greedy requests ahead of it left while waiting (their entries still queued) and batch=2: the next
+    holder of the model generates theirs, then its own, and gets its own reply."""
+    import asyncio
+
+    from longsft.eval.backends import Generation
+    from longsft.eval.serve import ModelQueue
+
+    class Echo:  # a reply is its prompt's first id, as text
+        batches = []
+
+        def generate_batch(self, prompts, max_tokens):
+            self.batches.append([p[0] for p in prompts])
+            return [Generation(str(p[0]), len(p), 1, 0.0) for p in prompts]
+
+    async def main():
+        q = ModelQueue(Echo(), max_queue=8, batch=2)
+        loop = asyncio.get_running_loop()
+        q.waiting += [([1], 4, loop.create_future()), ([2], 4, loop.create_future())]  # their clients went away
+        return await q.greedy([3], 4), q.backend.batches
+
+    g, batches = asyncio.run(main())
+    assert g.text == "3" and batches == [[1, 2], [3]]
