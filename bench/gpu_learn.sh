@@ -24,13 +24,18 @@ keep() {  # keep DIR NAME
 LIMIT=${LIMIT:-530}
 if [ "${1:-}" = table5 ]; then
   shift
-  # the MMA judges: the checkpoint learn.py --gpu trained (the latest stage's best there is), when it ran first
-  judge=$(python3 -c 'import json, os; s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
-print(next((b for b in (f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n in reversed(list(s))) if os.path.isdir(b)), ""))' 2>/dev/null)
-  if [ -d "$judge" ]; then
-    judge_args=(--judge-model "$judge"); echo "MMA judges: $judge"
+  # the MMA judges: the checkpoints learn.py --gpu trained (its first stage's best and its latest stage's
+  # best), when it ran first on this machine
+  mapfile -t judges < <(python3 -c 'import json, os
+s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
+best = [b for b in (f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n in s) if os.path.isdir(b)]
+for b in dict.fromkeys(best[-1:] + best[:1]): print(b)' 2>/dev/null)
+  judge_args=()
+  for j in "${judges[@]}"; do judge_args+=(--judge-model "$j"); done
+  if [ ${#judge_args[@]} -gt 0 ]; then
+    echo "MMA judges: ${judges[*]}"
   else
-    judge_args=(); echo "MMA judges: the base model (no learn.py checkpoint on this machine: it rarely states a score)" >&2
+    echo "MMA judges: the base model (no learn.py checkpoint on this machine: it rarely states a score)" >&2
   fi
   timeout -s TERM -k 30 "$LIMIT" python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu \
     "${judge_args[@]}" "$@"

