@@ -86,7 +86,6 @@ def emit(kind: str, **kw) -> None:
 def worker(spec: dict) -> None:
     """Every row of ``spec`` in this one process, on one engine; each result sent as a message."""
     import dataclasses
-    import gc
 
     import torch
 
@@ -153,9 +152,7 @@ def worker(spec: dict) -> None:
             row["elapsed_s"] = time.perf_counter() - t_row
             emit("row", **row)
             del batch
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            onestep.free_memory()
     finally:
         engine.destroy()
         distributed.shutdown()

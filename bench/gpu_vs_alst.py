@@ -90,7 +90,6 @@ def host_free_gib() -> float:
 def worker(spec: dict) -> None:
     """Every length of one (phase, implementation) in this process, on one engine; each row a message."""
     import dataclasses
-    import gc
 
     import torch
 
@@ -166,9 +165,7 @@ def worker(spec: dict) -> None:
             if row.get("oom") or row.get("failed"):
                 break  # the longest that fits is found (or this implementation cannot go on)
             del full
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            onestep.free_memory()
     finally:
         engine.destroy()
         distributed.shutdown()

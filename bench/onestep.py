@@ -93,3 +93,14 @@ def planned(cfg, answer: int = ANSWER, cuda: bool = True):
 
     shape = model_shape(cfg)
     return shape, estimate(cfg, cfg.stages[0], shape, Hardware(gpus_per_node=1, cuda=cuda), targets=answer)
+
+
+def free_memory() -> None:
+    """What a row left behind: Python's garbage collected and, on a GPU, the allocator's cache emptied."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
