@@ -21,7 +21,8 @@ waiting for the model, a request gets 503. Every error is JSON in OpenAI's shape
 request at a time, in arrival order, so a request waits at most for those ahead of it, each bounded by
 ``max_new_tokens``: that cap is the fairness guarantee (no preemption). ``batch=N`` (default 1: none)
 generates greedy whole requests that wait together as one left-padded batch of up to N (a GPU makes
-N replies in about the time of one; streamed and sampled requests still go one at a time). A streamed request whose
+N replies in about the time of one; in bf16 padding can round a reply differently from its unbatched
+one); streamed and sampled requests still go one at a time. A streamed request whose
 client goes away stops generating at the next token. A missing or cut-off model, and a port in use, are
 reported (exit 2) before the model loads; a host other than loopback is warned about.
 
@@ -148,26 +149,54 @@ class ModelQueue:
 
     async def greedy(self, ids: list[int], max_tokens: int):
         """The greedy reply to ``ids``. With ``batch`` > 1: queued, and whoever holds the model next takes the
-        oldest ``batch`` queued into one batch (the lock is first come, first served, so a request that finds
-        its reply not yet made when its turn comes is among those oldest, unless requests ahead of it went
-        away while waiting: then it generates theirs first)."""
+        oldest ``batch`` queued into one batch (:meth:`_generate_queued`); a request whose reply another's
+        batch made returns without waiting for the model again."""
         if self.batch <= 1:
             return await self.run(lambda: self.backend.generate_ids(ids, max_tokens))
         mine = asyncio.get_running_loop().create_future()
         self.waiting.append((ids, max_tokens, mine))
-        async with self.lock:
-            while not mine.done():  # (more than once only when requests ahead of it left while waiting)
-                take, self.waiting = self.waiting[:self.batch], self.waiting[self.batch:]
-                try:
-                    made = await asyncio.get_running_loop().run_in_executor(
-                        self.pool, lambda: self.backend.generate_batch([t[0] for t in take], [t[1] for t in take]))
-                except Exception as e:
-                    for *_, f in take:
-                        f.set_exception(e)
-                else:
-                    for (*_, f), g in zip(take, made):
-                        f.set_result(g)
-        return mine.result()
+        while not mine.done():
+            turn = asyncio.ensure_future(self.lock.acquire())
+            await asyncio.wait({mine, turn}, return_when=asyncio.FIRST_COMPLETED)
+            if not turn.done():
+                turn.cancel()  # (a cancelled acquire that was already granted passes the lock on)
+                break
+            try:
+                await self._generate_queued(mine)
+            finally:
+                self.lock.release()
+            if not mine.done() and all(f is not mine for *_, f in self.waiting):
+                break  # in a batch still running, whose holder was cancelled: its end settles this one
+        return await mine
+
+    async def _generate_queued(self, mine: asyncio.Future) -> None:
+        """Batches of the oldest ``batch`` queued requests until ``mine`` is among those made (the lock is
+        first come, first served, so it is in the first unless requests ahead of it were given up). Each
+        batch's replies reach their requests when it ends, even if this one's task is cancelled meanwhile."""
+        loop = asyncio.get_running_loop()
+        while not mine.done() and self.waiting:
+            take, self.waiting = self.waiting[:self.batch], self.waiting[self.batch:]
+            job = loop.run_in_executor(self.pool, self._batch, [t[0] for t in take], [t[1] for t in take])
+            job.add_done_callback(lambda j, take=take: _settle(j, [t[2] for t in take]))
+            await asyncio.shield(job)
+
+    def _batch(self, prompts: list[list[int]], max_tokens: list[int]) -> list:
+        """One batched generation; out of GPU memory, the same requests one at a time."""
+        import torch
+
+        try:
+            return self.backend.generate_batch(prompts, max_tokens)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return [self.backend.generate_ids(p, m) for p, m in zip(prompts, max_tokens)]
+
+
+def _settle(job: asyncio.Future, futures: list[asyncio.Future]) -> None:
+    """Each request's reply (or the batch's error) from a finished batch."""
+    error = job.exception() if not job.cancelled() else asyncio.CancelledError()
+    for k, f in enumerate(futures):
+        if not f.done():
+            f.set_exception(error) if error is not None else f.set_result(job.result()[k])
 
 
 def _json(status: int, obj: dict, headers: dict | None = None):

@@ -52,12 +52,14 @@ def reply_for(model: str, messages: list[dict], seen: set) -> str:
 class Server:
     """The local endpoint. ``answer(body) -> (status, headers, text)`` replies to one request body
     (default: :func:`reply_for`, status 200; an error's ``text`` as a dict is sent as the whole body);
-    ``requests`` counts calls per model, ``seen`` holds (time, client port, body) per request.
+    ``requests`` counts calls per model, ``seen`` holds (time, client port, body) per request,
+    ``most_in_flight`` the most requests answered at once (``delay``: seconds each answer takes).
     HTTP/1.1 with keep-alive, as real servers do."""
 
-    def __init__(self, answer=None):
+    def __init__(self, answer=None, delay: float = 0.0):
         self.requests: Counter = Counter()
         self.seen: list = []
+        self.lock, self.in_flight, self.most_in_flight = threading.Lock(), 0, 0  # requests answered at once
         prompts: set = set()
         answer = answer or (lambda body: (200, {}, reply_for(body["model"], body["messages"], prompts)))
         outer = self
@@ -67,9 +69,17 @@ class Server:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                outer.requests[body["model"]] += 1
-                outer.seen.append((time.monotonic(), self.client_address[1], body))
-                status, headers, text = answer(body)
+                with outer.lock:
+                    outer.requests[body["model"]] += 1
+                    outer.seen.append((time.monotonic(), self.client_address[1], body))
+                    outer.in_flight += 1
+                    outer.most_in_flight = max(outer.most_in_flight, outer.in_flight)
+                try:
+                    time.sleep(delay)
+                    status, headers, text = answer(body)
+                finally:
+                    with outer.lock:
+                        outer.in_flight -= 1
                 reply = ({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                           "choices": [{"index": 0, "finish_reason": "stop",
                                        "message": {"role": "assistant", "content": text}}],

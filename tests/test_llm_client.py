@@ -141,6 +141,9 @@ def test_endpoint_options_reach_the_server_and_key_the_cache(tmp_path):
         greedy, sampled = Endpoint.parse(f"m@{s.url}"), Endpoint.parse(f"m@{s.url}#temperature=0.7,seed=3")
         assert (sampled.temperature, sampled.seed, str(sampled)) == (0.7, 3, f"m@{s.url}#temperature=0.7,seed=3")
         assert greedy.cache_key("p") == answer_key("m", s.url, "p") != sampled.cache_key("p")
+        seed0 = Endpoint.parse(f"m@{s.url}#temperature=0.7,seed=0")  # seed 0 is a seed
+        assert str(seed0).endswith("seed=0") and seed0.cache_key("p") != Endpoint.parse(
+            f"m@{s.url}#temperature=0.7").cache_key("p")
         cache = AppendCache(str(tmp_path / "c.jsonl"))
         assert ask_judgement(greedy, "Summary:\nx", 1, cache)["score"] == 4
         assert ask_judgement(sampled, "Summary:\nx", 1, cache)["score"] == 1

@@ -203,14 +203,21 @@ def test_requests_beyond_the_queue_get_503_and_the_queue_drains(backend, model, 
         assert server.app.model.admitted == 0 and call(server)[0] == 200
 
 
-def test_batch_generates_waiting_greedy_requests_together_with_their_own_replies(backend, model, monkeypatch):
+def test_batch_generates_waiting_greedy_requests_together_with_their_own_replies(tiny_model_dir, monkeypatch):
     """``batch=3``: while one request generates (held here), three greedy requests and a sampled one queue;
     the three then go as one batch (the sampled one alone), and each reply is the one it gets unbatched,
-    cut at its own max_tokens."""
+    cut at its own max_tokens (a model whose replies depend on the prompt: rows cannot be swapped unseen)."""
+    from longsft.eval.backends import HFBackend
+    from longsft.eval.eval_config import EvalConfig, model_config
+
+    model = tiny_model_dir("qwen3", init=0.5)
+    backend = HFBackend(model_config(EvalConfig(model=str(model), tokenizer="qwen")), 8)
     asks = [{"messages": [{"role": "user", "content": f"story {i}" * (i + 1)}], "max_tokens": n}
             for i, n in enumerate((6, 3, 8))]
     with running(backend, model) as server:
         alone = [call(server, body=b)[1] for b in asks]
+    texts = [a["choices"][0]["message"]["content"] for a in alone]
+    assert len(set(texts)) == 3 and all(texts), texts
     release, started, batches = threading.Event(), threading.Event(), []
     real_one, real_batch = backend.generate_ids, backend.generate_batch
 
@@ -346,26 +353,41 @@ def test_model_is_required(capsys):
     assert code == 2 and "model= is required" in err
 
 
-def test_a_batched_request_behind_requests_that_left_still_gets_its_reply():
-    """Two greedy requests ahead of it left while waiting (their entries still queued) and batch=2: the next
-    holder of the model generates theirs, then its own, and gets its own reply."""
+def test_a_batched_request_gets_its_reply_when_the_request_holding_the_model_is_cancelled():
+    """batch=2, two greedy requests queued together; the one holding the model is cancelled while their
+    batch runs: the other still gets its reply when the batch ends (no hang, no second generation). And a
+    request behind queued entries whose requests are gone generates theirs, then its own."""
     import asyncio
 
     from longsft.eval.backends import Generation
     from longsft.eval.serve import ModelQueue
 
-    class Echo:  # a reply is its prompt's first id, as text
-        batches = []
+    class Echo:  # a reply is its prompt's first id, as text; a batch waits for ``go``
+        def __init__(self):
+            self.batches, self.go = [], threading.Event()
 
         def generate_batch(self, prompts, max_tokens):
             self.batches.append([p[0] for p in prompts])
+            self.go.wait(10)
             return [Generation(str(p[0]), len(p), 1, 0.0) for p in prompts]
 
-    async def main():
+    async def cancelled_holder():
         q = ModelQueue(Echo(), max_queue=8, batch=2)
+        a, b = asyncio.ensure_future(q.greedy([1], 4)), asyncio.ensure_future(q.greedy([2], 4))
+        while not q.backend.batches:
+            await asyncio.sleep(0.01)
+        a.cancel()
+        await asyncio.sleep(0.05)
+        q.backend.go.set()
+        return (await asyncio.wait_for(b, 10)).text, q.backend.batches, a.cancelled()
+
+    assert asyncio.run(cancelled_holder()) == ("2", [[1, 2]], True)
+
+    async def behind_departed():
+        q = ModelQueue(Echo(), max_queue=8, batch=2)
+        q.backend.go.set()
         loop = asyncio.get_running_loop()
         q.waiting += [([1], 4, loop.create_future()), ([2], 4, loop.create_future())]  # their clients went away
-        return await q.greedy([3], 4), q.backend.batches
+        return (await q.greedy([3], 4)).text, q.backend.batches
 
-    g, batches = asyncio.run(main())
-    assert g.text == "3" and batches == [[1, 2], [3]]
+    assert asyncio.run(behind_departed()) == ("3", [[1, 2], [3]])

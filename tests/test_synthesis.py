@@ -13,7 +13,7 @@ import pytest
 from llm_server import Server
 from test_extend import hlm_units
 
-from longsft.train.common.llm import Endpoint, Reply
+from longsft.train.common.llm import Endpoint, EndpointError, Reply
 from longsft.train.datagen.erhg import RuleEngine, generate, sentences
 from longsft.train.datagen.erhg import run as run_erhg
 from longsft.train.datagen.extend import build, parse_buckets
@@ -144,10 +144,20 @@ def test_mma_judges_arbiter_and_disagreement_stats(server, tmp_path):
     run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen-good"), ep("gen-bad")], [ep("judge-a"), ep("judge-b")],
             ep("arbiter"))
     assert sum(server.requests.values()) == before  # resumed from the answer cache
-    # three articles at once: the same samples, in the same order, and the same statistics
-    again = run_mma(str(src), str(tmp_path / "mma3.jsonl"), [ep("gen-good"), ep("gen-bad")],
-                    [ep("judge-a"), ep("judge-b")], ep("arbiter"), concurrency=3)
-    assert again == stats and (tmp_path / "mma3.jsonl").read_text() == (tmp_path / "mma.jsonl").read_text()
+    # three articles at once (each answer taking a while, so they overlap at the server): the same
+    # samples, in the same order, and the same statistics; an endpoint that refuses stops the run
+    slow = Server(delay=0.05)
+    try:
+        at = lambda m: Endpoint(m, slow.url)  # noqa: E731
+        again = run_mma(str(src), str(tmp_path / "mma3.jsonl"), [at("gen-good"), at("gen-bad")],
+                        [at("judge-a"), at("judge-b")], at("arbiter"), concurrency=3)
+        assert again == stats and (tmp_path / "mma3.jsonl").read_text() == (tmp_path / "mma.jsonl").read_text()
+        assert slow.most_in_flight >= 2
+        with pytest.raises(EndpointError, match="no-such-model"):
+            run_mma(str(src), str(tmp_path / "mma4.jsonl"), [at("gen-good")], [at("judge-a"), at("no-such-model")],
+                    at("arbiter"), concurrency=3)
+    finally:
+        slow.close()
 
 
 def test_mma_asks_both_judges_and_counts_each_ones_failures(tmp_path):

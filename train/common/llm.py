@@ -76,7 +76,8 @@ class Endpoint:
 
     def sampling(self) -> list[tuple[str, float | int]]:
         """The sampling settings that differ from greedy decoding without a seed."""
-        return [(k, v) for k, v in (("temperature", self.temperature), ("seed", self.seed)) if v not in (0.0, None)]
+        return [*((("temperature", self.temperature),) if self.temperature != 0 else ()),
+                *((("seed", self.seed),) if self.seed is not None else ())]
 
     def cache_key(self, prompt: str) -> str:
         """The cache key of this endpoint's answer to ``prompt``: model, URL, sampling settings, prompt

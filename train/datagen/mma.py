@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from longsft.train.common.cache import AppendCache
 from longsft.train.common.io import atomic_write_json, atomic_write_text
@@ -170,9 +170,15 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
     one = lambda item: judged(*item, judges, arbiter, max_gap, retries, cache)  # noqa: E731
     if concurrency == 1:
         results = [one(item) for item in work]
-    else:
+    else:  # an endpoint that stops answering stops the run: the articles not started are not asked
         with ThreadPoolExecutor(concurrency, thread_name_prefix="mma") as pool:
-            results = list(pool.map(one, work))
+            futures = [pool.submit(one, item) for item in work]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+            if failed is not None:
+                pool.shutdown(cancel_futures=True)
+                raise failed.exception()
+            results = [f.result() for f in futures]
     samples = [r["sample"] for r in results if "sample" in r]
     problems = [r["problem"] for r in results if "problem" in r]
     stats, pair_labels = Counter(), Counter()
