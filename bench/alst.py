@@ -202,13 +202,12 @@ def step(engine, mpu, batch: dict, options: Options, optimizer_step: bool = True
     divided by it, all-gathered and added (one rank: its own). Returns (loss, gradient norm);
     ``optimizer_step=False``: forward and backward only, the gradients then dropped (norm None). With
     ``offload_checkpoints`` the offload context's counts are left in ``engine.alst_offload_stats``."""
-    import torch.distributed as dist
     import torch.distributed.nn.functional as dnnf
 
     n = (batch["shift_labels"] != IGNORE).sum()
-    if mpu is not None:
+    if mpu is not None:  # (the tutorial's all-gather of the counts, as ALST's users write it)
         group = mpu.get_sequence_parallel_group()
-        dist.all_reduce(n, group=group)
+        n = sum(dnnf.all_gather(n.float(), group=group))
     context = checkpoint_offload(options)
     marks = getattr(engine, "alst_marks", None)
     with context:
