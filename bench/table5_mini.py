@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import re
+import selectors
 import subprocess
 import sys
 import time
@@ -52,6 +53,7 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160, "batch": 4},
          "cpu": {"articles": 40, "sizes": "30,all", "val": 4, "test": 10, "reply": 256, "batch": 4},
          "gpu": {"articles": 240, "sizes": "60,all", "val": 10, "test": 40, "reply": 256, "batch": 32}}
+START_S = 300  # seconds longsft serve may take to load its model and say where it listens
 JUDGE_B = "temperature=0.7,seed=1"  # the second judge's sampling (an endpoint option: Endpoint.parse)
 STAGE = "stages=[{name: s512, bucket: '512', seq_len: 1024, epochs: 2}]"
 
@@ -95,7 +97,11 @@ class Served:
         self.proc = subprocess.Popen([*CLI, "serve", f"model={self.model}", f"port={self.port}", "max_new_tokens=1024",
                                       f"served_model_name={self.name}", *self.keys], cwd=ROOT, env=ENV,
                                      stdout=subprocess.PIPE, stderr=self.file, text=True)
-        line = self.proc.stdout.readline()  # "longsft serve: NAME on http://127.0.0.1:PORT/v1 (...)"
+        # its first line, "longsft serve: NAME on http://127.0.0.1:PORT/v1 (...)", within START_S (a server
+        # that hangs while loading must not hold the rest of a GPU allocation)
+        ready = selectors.DefaultSelector()
+        ready.register(self.proc.stdout, selectors.EVENT_READ)
+        line = self.proc.stdout.readline() if ready.select(START_S) else f"(nothing within {START_S} s)"
         found = re.search(r"on (http://\S+)", line)
         if not found:
             self.proc.kill()
