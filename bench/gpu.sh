@@ -8,6 +8,9 @@
 #                                                report; no GPU, no tiny steps; writes *_smoke.json only)
 #   there:  bash bench/gpu.sh vs_alst           (only bench/gpu_vs_alst.py, under 10 minutes: an allocation
 #                                                of its own; bench/results/gpu_vs_alst.json, also to $OUT)
+#   there:  bash bench/gpu.sh vs_alst --budget 200 --phases time --out gpu_vs_alst_time
+#                                               (what is left of an allocation after gpu.sh: the options go
+#                                                to gpu_vs_alst.py, the step's limit is the budget + 40 s)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 smoke=0; only=""
@@ -30,10 +33,18 @@ else
   nvidia-smi --query-gpu=name,memory.total --format=csv
   gpus=$(nvidia-smi -L | grep -c '^GPU')
   if [ "$only" = vs_alst ]; then
-    rm -f bench/results/gpu_vs_alst.json
+    shift  # the rest goes to gpu_vs_alst.py; its --budget sets the step's limit (default 500 s: limit 540)
+    args=("$@"); limit=540; name=gpu_vs_alst
+    for i in "${!args[@]}"; do
+      case "${args[$i]}" in
+        --budget) limit=$(( ${args[$((i + 1))]%.*} + 40 )) ;;
+        --out) name=${args[$((i + 1))]} ;;
+      esac
+    done
+    rm -f "bench/results/$name.json"
     echo "set-up: $((SECONDS - t_all)) s"
-    timeout -k 5 540 python3 bench/gpu_vs_alst.py; rc=$?
-    [ -z "${OUT:-}" ] || cp bench/results/gpu_vs_alst.json "$OUT"/ 2>/dev/null || true
+    timeout -k 5 "$limit" python3 bench/gpu_vs_alst.py "$@"; rc=$?
+    [ -z "${OUT:-}" ] || cp "bench/results/$name.json" "$OUT"/ 2>/dev/null || true
     echo "all: $((SECONDS - t_all)) s"
     exit $rc
   fi

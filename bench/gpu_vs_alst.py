@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -213,7 +214,10 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--phases", nargs="+", default=["time", "fit"], choices=["time", "fit"])
     ap.add_argument("--budget", type=float, default=None, help=f"seconds for everything (default {BUDGET_S})")
+    ap.add_argument("--out", default=None, help="results: bench/results/OUT.json (gpu_vs_alst; --smoke: *_smoke)")
     a = ap.parse_args()
+    if a.out is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", a.out):
+        ap.error(f"--out {a.out!r}: a file name (letters, digits, '_', '.', '-'), written to bench/results/")
     t_start = time.time()
     from machine import describe, nominal_bf16_tflops, write_result
 
@@ -231,7 +235,7 @@ def main() -> None:
     bytes_per_token = shape["hidden_size"] * (2 if dtype == "bf16" else 4)  # one layer input, one token
     full_layers = shape["num_hidden_layers"]
     rows: list[dict] = []
-    out = "gpu_vs_alst_smoke" if a.smoke else "gpu_vs_alst"
+    out = a.out or ("gpu_vs_alst_smoke" if a.smoke else "gpu_vs_alst")
     runs = [(p, i) for p in a.phases for i in a.impls]
     info = {"built_s": {}, "exit": {}}
 
