@@ -68,6 +68,10 @@ def data_command(argv: list[str]) -> int:
                    help="alternately faithful and hallucinated per split and language: half of an even count "
                         "(else each sample is drawn)")
     s.add_argument("--tokenizer", default="qwen", help="sizes the articles: qwen, an HF path, a .gguf or pkg:PKG/FILE")
+    s.add_argument("--edits", default="erhg", choices=["erhg", "counterfactual"],
+                   help="hallucinated summaries: the ERHG rule engine's edits (which leave marks a summary-only "
+                        "classifier finds), or a fact's slot redrawn from the story's own values (only the "
+                        "article tells them apart)")
     e = sub.add_parser("extend", formatter_class=DefaultsHelp,
                        help="textual units of books -> samples in token-length buckets")
     e.add_argument("units", help="JSONL: book, unit, language, text, summary (a book's units contiguous, in order)")
@@ -127,7 +131,8 @@ def data_command(argv: list[str]) -> int:
     from longsft.train.datagen.sample_data import write_sample_data
 
     paths = write_sample_data(args.out, _tokenizer(args.tokenizer), [b.strip() for b in args.buckets.split(",")], args.n, args.n_validation,
-                              args.seed, [x.strip() for x in args.languages.split(",")], args.n_test, args.balanced)
+                              args.seed, [x.strip() for x in args.languages.split(",")], args.n_test, args.balanced,
+                              args.edits)
     for bucket, p in paths.items():
         print(f"{bucket}: " + "  ".join(map(str, p.values())))
     return 0

@@ -231,3 +231,53 @@ def test_mma_reads_judgements_with_the_shared_scorers_parser(tmp_path):
     with pytest.raises(LLMError):
         ask_judgement(judge, "p4", 0, cache)
     assert ask_judgement(judge, "p1", 1, cache) == first and len(asked) == 5  # cached
+
+
+def _summary_only_auc(d, lang: str) -> float:
+    """Test ROC AUC of a bag-of-words classifier of the summary alone (no article), fitted on train."""
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.linear_model import LogisticRegressionCV
+    from sklearn.metrics import roc_auc_score
+
+    rows = {s: [json.loads(x) for x in (d / "512" / f"{s}.jsonl").read_text(encoding="utf-8").splitlines()]
+            for s in ("train", "test")}
+    vec = CountVectorizer(token_pattern=r"[A-Za-z]+|\d+" if lang == "en" else r"\S", ngram_range=(1, 3), binary=True)
+    x = vec.fit_transform([r["summary"] for r in rows["train"]])
+    clf = LogisticRegressionCV(Cs=6, cv=5, max_iter=3000).fit(x, [r["gold_score"] <= 2 for r in rows["train"]])
+    p = clf.predict_proba(vec.transform([r["summary"] for r in rows["test"]]))[:, 1]
+    return roc_auc_score([r["gold_score"] <= 2 for r in rows["test"]], p)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_counterfactual_sample_set_leaves_the_summary_alone_no_clue(tmp_path, tokenizer, lang):
+    """The rule engine's edits mark the summary itself (a summary-only classifier finds them); the
+    counterfactual ones do not: the same classifier is at chance, and every hallucinated summary
+    differs from what the article states in its edited facts only."""
+    from longsft.train.datagen.sample_data import write_sample_data
+
+    auc = {}
+    for edits in ("erhg", "counterfactual"):
+        d = tmp_path / edits
+        write_sample_data(d, tokenizer, ["512"], 600, 1, languages=[lang], n_test=400, balanced=True, edits=edits)
+        auc[edits] = _summary_only_auc(d, lang)
+    assert auc["erhg"] > 0.85 and auc["counterfactual"] < 0.62, auc
+    sep = " " if lang == "en" else ""
+    rows = [json.loads(x) for x in (d / "512" / "test.jsonl").read_text(encoding="utf-8").splitlines()]
+    for r in rows:
+        said = [s + ("." if lang == "en" else "。") for s in r["summary"].rstrip(".。").split("." + sep if lang == "en"
+                                                                                        else "。")]
+        stated = [s in r["article"] for s in said]
+        assert len(said) == 4, r["summary"]
+        assert sum(not x for x in stated) == {5: 0, 4: 0, 2: 1, 1: 3}[r["gold_score"]], r
+        assert (r["gold_score"] <= 2) == bool(r["types"]) and set(r["types"]) <= {"entity", "numerical", "relation",
+                                                                                 "inversion"}
+    assert Counter(r["gold_score"] <= 2 for r in rows) == {True: 200, False: 200}
+
+
+def test_sample_set_refuses_an_unknown_edit_kind(tmp_path, tokenizer):
+    from longsft.train.common.errors import DataError
+    from longsft.train.datagen.sample_data import write_sample_data
+
+    with pytest.raises(DataError, match="--edits llm: one of erhg, counterfactual"):
+        write_sample_data(tmp_path / "x", tokenizer, ["512"], 2, 1, edits="llm")
+    assert not (tmp_path / "x").exists()

@@ -3,7 +3,9 @@
 Each sample is a small synthetic "novel": key facts (who went where with how many, who met
 whom, who is whose relative) embedded in filler narration, sized to a token range with the real
 tokenizer. The summary restates the facts in order; hallucinated summaries carry one edit
-(gold score 2) or three edits (score 1) of the canonical types, faithful ones score 4-5.
+(gold score 2) or three edits (score 1), faithful ones score 4-5. The edits are the offline ERHG
+rule engine's, of the canonical types, or (``edits="counterfactual"``) a fact's slot redrawn from the
+story's own values, which leaves the summary alone no clue (:mod:`~longsft.train.datagen.counterfactual`).
 Used by the ``tiny`` recipe and the tests; ``longsft data sample`` writes it anywhere.
 """
 
@@ -15,11 +17,13 @@ from pathlib import Path
 from longsft.train.common.errors import DataError
 from longsft.train.common.io import check_output_dir, write_jsonl
 from longsft.train.data.prompts import render_target
+from longsft.train.datagen import counterfactual
 from longsft.train.datagen.erhg import RuleEngine, perturb
 from longsft.train.scoring.judgement import TYPES
 
 # bucket -> (min, max) article tokens. Tiny stages use seq_len 512/1024/2048/4096; the upper
 # ends overshoot slightly on purpose so the overflow policy is exercised.
+EDITS = ("erhg", "counterfactual")  # how hallucinated summaries are made (make_sample)
 SAMPLE_BUCKETS = {"512": (120, 260), "1k": (400, 720), "2k": (900, 1650), "4k": (2000, 3650)}
 
 _NAMES = {"en": ["Arthur", "Beatrice", "Cedric", "Dorothea", "Edmund", "Florence", "Gideon", "Harriet"],
@@ -76,10 +80,16 @@ def _erhg(rng: random.Random, lang: str, article: str, summary: str, n: int) -> 
 
 
 def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str, split: str,
-                hallucinated: bool | None = None) -> dict:
-    """One sample; ``hallucinated`` None draws it (half the time), else says which to make."""
+                hallucinated: bool | None = None, edits: str = "erhg") -> dict:
+    """One sample; ``hallucinated`` None draws it (half the time), else says which to make. ``edits``:
+    ``erhg`` (the rule engine's edits) or ``counterfactual`` (a fact's slot redrawn from the story's own
+    values, every slot drawn on its own: :mod:`~longsft.train.datagen.counterfactual`)."""
     lo, hi = SAMPLE_BUCKETS[bucket]
-    world, facts = _facts(rng, lang)
+    if edits == "counterfactual":
+        story = counterfactual.Story(rng.sample(_NAMES[lang], 4), rng.sample(_PLACES[lang], 3), _RELS[lang])
+        world, facts = {"names": story.names, "places": story.places}, counterfactual.facts(rng, story)
+    else:
+        world, facts = _facts(rng, lang)
     target = rng.randint(lo, hi)
     sep = " " if lang == "en" else ""
     fact_text = [_say(lang, k, f) for k, f in facts]
@@ -100,6 +110,10 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
         roll = 0.5 + roll / 2 if hallucinated else roll / 2
     if roll < 0.5:
         score, types = rng.choice([4, 5]), []
+    elif edits == "counterfactual":  # one or three facts, one slot each
+        n = 1 if roll < 0.8 else 3
+        sents, types = counterfactual.hallucinate(rng, story, facts, n, lambda k, f: _say(lang, k, f), article)
+        summary, score = sep.join(sents), 2 if n == 1 else 1
     else:  # the offline ERHG engine makes the hallucinated summaries (one or three one-sentence edits)
         summary, types = _erhg(rng, lang, article, summary, 1 if roll < 0.8 else 3)
         score = 2 if len(types) == 1 else 1
@@ -111,11 +125,15 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
 
 def write_sample_data(out_dir: str | Path, tokenizer, buckets: list[str], n_per_language: int = 16,
                       n_validation: int = 4, seed: int = 42, languages: list[str] | tuple[str, ...] = ("zh", "en"),
-                      n_test: int = 0, balanced: bool = False) -> dict[str, dict[str, Path]]:
+                      n_test: int = 0, balanced: bool = False, edits: str = "erhg") -> dict[str, dict[str, Path]]:
     """Write ``<out>/<bucket>/{train,validation[,test]}.jsonl``; identical for identical arguments.
     Each sample has its own article, so the splits share none. ``balanced``: alternately faithful and
-    hallucinated within each split and language (exactly half when the count is even). Every argument is checked before anything is written."""
+    hallucinated within each split and language (exactly half when the count is even). ``edits``: how
+    hallucinated summaries are made (:func:`make_sample`). Every argument is checked before anything is
+    written."""
     check_output_dir(out_dir)
+    if edits not in EDITS:
+        raise DataError(f"--edits {edits}: one of {', '.join(EDITS)}")
     for bucket in buckets:
         if bucket not in SAMPLE_BUCKETS:
             raise DataError(f"bucket {bucket!r}: the sample set has no such bucket; known: {', '.join(SAMPLE_BUCKETS)}")
@@ -134,7 +152,7 @@ def write_sample_data(out_dir: str | Path, tokenizer, buckets: list[str], n_per_
                 continue
             rng = random.Random(f"{seed}/{bucket}/{split}")
             recs = [make_sample(rng, lang, bucket, tokenizer, f"{bucket}-{split}-{lang}-{i:04d}", split,
-                                bool(i % 2) if balanced else None)
+                                bool(i % 2) if balanced else None, edits)
                     for i in range(n) for lang in languages]
             paths[split] = Path(out_dir) / bucket / f"{split}.jsonl"
             write_jsonl(paths[split], recs)
