@@ -9,8 +9,12 @@ On CPU: 2 ranks, sequence parallelism (ring) and ZeRO-3, a few hundred samples. 
 rank, bf16, ZeRO-2 without offload, 2,000 / 400 / 100 training samples and 400 held-out test items by
 default, the evaluations batched on the GPU (``longsft eval``'s ``batch_tokens``).
 
-1. data by longsft's own pipeline (``longsft data sample``: faithful summaries and ERHG-edited ones,
-   English, balanced, one article per sample, so train / validation / held-out test share none);
+1. data by longsft's own pipeline (``longsft data sample``: faithful summaries and hallucinated ones,
+   English, balanced, one article per sample, so train / validation / held-out test share none). The
+   hallucinations are counterfactual (``--edits counterfactual``: a fact's slot redrawn from the story's
+   own values), so only the article tells them apart: the rule engine's edits (``--edits erhg``, what
+   the first CPU runs used) leave marks a classifier of the summary alone finds (test AUC 0.93), and a
+   model could score on those without reading the article;
 2. the base model (recipes/smollm2_135m.yaml's GGUF file) evaluated on the held-out test with
    ``longsft eval`` (the paper's prompt, temperature 0);
 3. the recipe's curriculum (512 -> 1K -> 2K tokens) on 2 ranks, sequence parallelism (ring) and
@@ -58,15 +62,17 @@ def sh(cmd: list[str], log: Path) -> float:
     return time.time() - t0
 
 
-def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path, model: str = MODEL) -> float:
-    """One longsft data sample call per bucket (each its own size; the test set is the 512 bucket's)."""
+def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path, model: str = MODEL,
+         edits: str = "counterfactual") -> float:
+    """One longsft data sample call per bucket (each its own size; the test set is the 512 bucket's).
+    ``edits``: how its hallucinated summaries are made (``longsft data sample --edits``)."""
     seconds = 0.0
     for bucket, n in sizes.items():
         last = "test" if bucket == "512" and test else "validation"  # the last file data sample writes
         if not (out / bucket / f"{last}.jsonl").exists():
             seconds += sh([*CLI, "data", "sample", "--out", str(out), "--languages", "en", "--balanced", "--buckets",
                            bucket, "--n", str(n), "--n-validation", str(val), "--n-test",
-                           str(test if bucket == "512" else 0), "--tokenizer", model], log)
+                           str(test if bucket == "512" else 0), "--tokenizer", model, "--edits", edits], log)
     return seconds
 
 
@@ -98,6 +104,9 @@ def main() -> None:
     ap.add_argument("--n-2k", type=int, default=None, help="training samples, 2k bucket (8; --gpu 100)")
     ap.add_argument("--val", type=int, default=None, help="validation samples per bucket (12; --gpu 48)")
     ap.add_argument("--test", type=int, default=None, help="held-out test samples, 512 bucket (200; --gpu 400)")
+    ap.add_argument("--edits", default="counterfactual", choices=["counterfactual", "erhg"],
+                    help="hallucinated summaries (longsft data sample --edits): counterfactual ones only the article "
+                         "reveals; erhg's rule edits a summary-only classifier finds (AUC 0.93: bench/decision_probe.py)")
     ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
     args, overrides = ap.parse_known_args()
     sizes = GPU_SIZES if args.gpu else CPU_SIZES
@@ -126,7 +135,7 @@ def main() -> None:
             wall[phase] = wall.get(phase, 0) + seconds
             (out / "wall.json").write_text(json.dumps(wall))
     timed("data", data(out / "data", {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log,
-                       model))
+                       model, args.edits))
     test = out / "data" / "512" / "test.jsonl"
     timed("eval_base", evaluate(model, test, out / "eval" / "base", log, eval_keys))
     run = out / "run"
@@ -156,7 +165,7 @@ def main() -> None:
     result = {
         "benchmark": "learn", "model": model, "recipe": "smollm2_135m", "overrides": [*train_keys, *overrides],
         "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
-                 "test": args.test, "languages": ["en"], "balanced": True},
+                 "test": args.test, "languages": ["en"], "balanced": True, "edits": args.edits},
         "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
                      "ci": e["scores"][0].get("ci"), "invalid_rate": e["scores"][0]["invalid_rate"], "n": e["n"]}
                  for k, e in evals.items()},
