@@ -134,9 +134,10 @@ def main() -> None:
         if seconds:
             wall[phase] = wall.get(phase, 0) + seconds
             (out / "wall.json").write_text(json.dumps(wall))
-    timed("data", data(out / "data", {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log,
+    data_dir = out / "data" / args.edits  # a rerun with the other kind of edits makes its own data
+    timed("data", data(data_dir, {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log,
                        model, args.edits))
-    test = out / "data" / "512" / "test.jsonl"
+    test = data_dir / "512" / "test.jsonl"
     timed("eval_base", evaluate(model, test, out / "eval" / "base", log, eval_keys))
     run = out / "run"
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
@@ -144,8 +145,8 @@ def main() -> None:
         timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc_per_node={1 if args.gpu else 2}",
                             str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}",
-                            f"data.train_file={out}/data/{{bucket}}/train.jsonl",
-                            f"data.validation_file={out}/data/{{bucket}}/validation.jsonl",
+                            f"data.train_file={data_dir}/{{bucket}}/train.jsonl",
+                            f"data.validation_file={data_dir}/{{bucket}}/validation.jsonl",
                             "logging.progress=false", *train_keys, *overrides], log))
     state = json.loads((run / "state.json").read_text())
     stages = list(state["stages"])

@@ -252,6 +252,7 @@ def main() -> None:
         sh([*CLI, "data", "sample", "--out", str(out / "transfer"), "--languages", "en", "--buckets", "512", "--n", "1",
             "--n-validation", "1", "--n-test", str(n["transfer"]), "--balanced", "--seed", "7", "--edits",
             "counterfactual", "--tokenizer", a.model], log)
+        done("transfer_data")
     tests = {"eval": arms / "heldout" / "512" / "test.jsonl", "eval_transfer": transfer}
     eval_keys = ["max_new_tokens=48", "progress=false", *(["dtype=bf16"] if a.gpu else [])]
     models = {"base": a.model, **{name: f"{run_dir}/stages/s512/best" for _, name, run_dir in tasks}}

@@ -233,8 +233,28 @@ def test_mma_reads_judgements_with_the_shared_scorers_parser(tmp_path):
     assert ask_judgement(judge, "p1", 1, cache) == first and len(asked) == 5  # cached
 
 
+def _names(summary: str, lang: str) -> list[str]:
+    """The sample set's names in ``summary``, in order of mention."""
+    import re
+
+    from longsft.train.datagen.sample_data import _NAMES
+
+    return [m.group() for m in re.finditer("|".join(map(re.escape, _NAMES[lang])), summary)]
+
+
+def _who(summary: str, lang: str) -> list:
+    """Features of who the summary names where, across its sentences: for each pair of the first 8 name
+    slots (in order of mention), whether they hold the same name, and how many distinct names it has."""
+    names = _names(summary, lang)[:8]
+    names += [None] * (8 - len(names))
+    same = [int(a is not None and a == b) for i, a in enumerate(names) for b in names[i + 1:]]
+    return same + [int(len(set(names) - {None}) == k) for k in range(1, 6)]
+
+
 def _summary_only_auc(d, lang: str) -> float:
-    """Test ROC AUC of a bag-of-words classifier of the summary alone (no article), fitted on train."""
+    """Test ROC AUC of a classifier of the summary alone (no article), fitted on train: its words (1-3
+    grams) and who it names where (a shared name across facts, the number of names)."""
+    from scipy.sparse import csr_matrix, hstack
     from sklearn.feature_extraction.text import CountVectorizer
     from sklearn.linear_model import LogisticRegressionCV
     from sklearn.metrics import roc_auc_score
@@ -242,9 +262,14 @@ def _summary_only_auc(d, lang: str) -> float:
     rows = {s: [json.loads(x) for x in (d / "512" / f"{s}.jsonl").read_text(encoding="utf-8").splitlines()]
             for s in ("train", "test")}
     vec = CountVectorizer(token_pattern=r"[A-Za-z]+|\d+" if lang == "en" else r"\S", ngram_range=(1, 3), binary=True)
-    x = vec.fit_transform([r["summary"] for r in rows["train"]])
-    clf = LogisticRegressionCV(Cs=6, cv=5, max_iter=3000).fit(x, [r["gold_score"] <= 2 for r in rows["train"]])
-    p = clf.predict_proba(vec.transform([r["summary"] for r in rows["test"]]))[:, 1]
+    vec.fit([r["summary"] for r in rows["train"]])
+
+    def x(split):
+        texts = [r["summary"] for r in rows[split]]
+        return hstack([vec.transform(texts), csr_matrix([_who(t, lang) for t in texts])]).tocsr()
+
+    clf = LogisticRegressionCV(Cs=6, cv=5, max_iter=3000).fit(x("train"), [r["gold_score"] <= 2 for r in rows["train"]])
+    p = clf.predict_proba(x("test"))[:, 1]
     return roc_auc_score([r["gold_score"] <= 2 for r in rows["test"]], p)
 
 
@@ -260,7 +285,8 @@ def test_counterfactual_sample_set_leaves_the_summary_alone_no_clue(tmp_path, to
         d = tmp_path / edits
         write_sample_data(d, tokenizer, ["512"], 600, 1, languages=[lang], n_test=400, balanced=True, edits=edits)
         auc[edits] = _summary_only_auc(d, lang)
-    assert auc["erhg"] > 0.85 and auc["counterfactual"] < 0.62, auc
+    # (0.50 en, 0.55 zh; a fixed who-is-whose-relative pattern left in the facts scores 0.63 in en)
+    assert auc["erhg"] > 0.85 and auc["counterfactual"] < 0.6, auc
     sep = " " if lang == "en" else ""
     rows = [json.loads(x) for x in (d / "512" / "test.jsonl").read_text(encoding="utf-8").splitlines()]
     for r in rows:
@@ -271,6 +297,8 @@ def test_counterfactual_sample_set_leaves_the_summary_alone_no_clue(tmp_path, to
         assert sum(not x for x in stated) == {5: 0, 4: 0, 2: 1, 1: 3}[r["gold_score"]], r
         assert (r["gold_score"] <= 2) == bool(r["types"]) and set(r["types"]) <= {"entity", "numerical", "relation",
                                                                                  "inversion"}
+        who = _names(r["summary"], lang)  # march: a; help: a, b, b; rel: a, b; march: a
+        assert len(who) == 7 and who[1] != who[2] == who[3] and who[4] != who[5], r["summary"]
     assert Counter(r["gold_score"] <= 2 for r in rows) == {True: 200, False: 200}
 
 

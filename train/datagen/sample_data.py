@@ -84,6 +84,8 @@ def make_sample(rng: random.Random, lang: str, bucket: str, tokenizer, sid: str,
     """One sample; ``hallucinated`` None draws it (half the time), else says which to make. ``edits``:
     ``erhg`` (the rule engine's edits) or ``counterfactual`` (a fact's slot redrawn from the story's own
     values, every slot drawn on its own: :mod:`~longsft.train.datagen.counterfactual`)."""
+    if edits not in EDITS:
+        raise DataError(f"edits={edits!r}: one of {', '.join(EDITS)}")
     lo, hi = SAMPLE_BUCKETS[bucket]
     if edits == "counterfactual":
         story = counterfactual.Story(rng.sample(_NAMES[lang], 4), rng.sample(_PLACES[lang], 3), _RELS[lang])
