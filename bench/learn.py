@@ -32,6 +32,7 @@ OUT/report.md. Every phase resumes: a rerun skips what is done.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +108,7 @@ def main() -> None:
     ap.add_argument("--edits", default="counterfactual", choices=["counterfactual", "erhg"],
                     help="hallucinated summaries (longsft data sample --edits): counterfactual ones only the article "
                          "reveals; erhg's rule edits a summary-only classifier finds (AUC 0.93: bench/decision_probe.py)")
+    ap.add_argument("--ranks", type=int, default=None, help="training processes (2 on CPU: sp=2; --gpu 1)")
     ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
     args, overrides = ap.parse_known_args()
     sizes = GPU_SIZES if args.gpu else CPU_SIZES
@@ -143,7 +145,7 @@ def main() -> None:
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
     if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
         timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={1 if args.gpu else 2}",
+                           f"--nproc_per_node={args.ranks or (1 if args.gpu else 2)}",
                             str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}",
                             f"data.train_file={data_dir}/{{bucket}}/train.jsonl",
                             f"data.validation_file={data_dir}/{{bucket}}/validation.jsonl",
@@ -151,6 +153,8 @@ def main() -> None:
     state = json.loads((run / "state.json").read_text())
     stages = list(state["stages"])
     timed("eval_first", evaluate(str(run / "stages" / stages[0] / "best"), test, out / "eval" / "first", log, eval_keys))
+    if len(stages) == 1 and not (out / "eval" / "final").exists():  # one stage: its best is also the final
+        shutil.copytree(out / "eval" / "first", out / "eval" / "final")
     timed("eval_final", evaluate(str(run / "stages" / stages[-1] / "best"), test, out / "eval" / "final", log,
                                  eval_keys))
     if not (out / "eval" / "vote" / "eval.json").exists():
@@ -164,7 +168,7 @@ def main() -> None:
     losses = [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)} for m in metrics if m["kind"] == "train"]
     total = sum(wall.values())
     result = {
-        "benchmark": "learn", "model": model, "recipe": "smollm2_135m", "overrides": [*train_keys, *overrides],
+        "benchmark": "learn", "model": model, "ranks": args.ranks or (1 if args.gpu else 2), "recipe": "smollm2_135m", "overrides": [*train_keys, *overrides],
         "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
                  "test": args.test, "languages": ["en"], "balanced": True, "edits": args.edits},
         "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
