@@ -1,6 +1,6 @@
 """Is the label in the base model at the moment it decides? A frozen-feature probe (issue 34).
 
-    python bench/decision_probe.py [--train 300 --test 200] [--model FILE]
+    python bench/decision_probe.py [--train 300 --test 200] [--model FILE|CHECKPOINT] [--json NAME]
 
 The trained answer's first tokens decide the class: ``{"score"`` (faithful) against ``{"reason"``
 (hallucinated, ``prompts.render_target``). Every later token follows from that one. So SmolLM2-135M-Instruct,
@@ -24,6 +24,7 @@ out; at chance fine-tuning has to build it, which takes more samples. Prints a t
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 import time
@@ -103,8 +104,12 @@ def main() -> None:
     ap.add_argument("--out", default="runs/decision_probe", help="data folder")
     ap.add_argument("--edits", default="counterfactual", choices=["counterfactual", "erhg"],
                     help="how the hallucinated summaries are made (longsft data sample --edits)")
+    ap.add_argument("--json", default="decision_probe",
+                    help="results name: bench/results/<name>.json (e.g. a fine-tuned checkpoint's probe)")
     ap.add_argument("--smoke", action="store_true", help="a few items: check the script")
     a = ap.parse_args()
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", a.json):
+        ap.error(f"--json {a.json!r}: a plain name (letters, digits, _ and -), written to bench/results/<name>.json")
     if a.smoke:
         a.train, a.test, a.out = 20, 10, "runs/decision_probe_smoke"
     t0 = time.time()
@@ -137,7 +142,10 @@ def main() -> None:
     y_test = torch.tensor([s.gold_score >= 3 for s in test]).numpy()
     zero_shot = {"auc": float(roc_auc_score(y_test, odds_test.numpy())),
                  "ba_at_0": float(balanced_accuracy_score(y_test, odds_test.numpy() > 0)),
-                 "mean_log_odds": float(odds_test.mean())}
+                 # one bias fitted on the training items: the threshold at their median (the classes are
+                 # balanced), applied to the held-out items; a model that ranks well but leans one way gains here
+                 "ba_at_train_median": float(balanced_accuracy_score(y_test, odds_test.numpy() > float(odds_train.median()))),
+                 "mean_log_odds": float(odds_test.mean()), "train_median_log_odds": float(odds_train.median())}
     rows = {"summary alone, bag of words": summary_only(train, test, y_train, y_test)}
     rows |= {f"layer {layer}": probe(h_train[layer].numpy(), y_train, h_test[layer].numpy(), y_test)
             for layer in layers}
@@ -146,9 +154,11 @@ def main() -> None:
     print(f"| features ({len(train)} train / {len(test)} test items) | test AUC | test BA | train AUC |")
     print("|---|---:|---:|---:|")
     print(f"| zero-shot log-odds of the keys | {zero_shot['auc']:.3f} | {zero_shot['ba_at_0']:.3f} | - |")
+    print(f"| the same, threshold at the training items' median | {zero_shot['auc']:.3f} | "
+          f"{zero_shot['ba_at_train_median']:.3f} | - |")
     for name, r in rows.items():
         print(f"| {name}{f' of {n_layers}, probe' if name.startswith(('layer', 'all')) else ''} | {r['auc']:.3f} | {r['ba']:.3f} | {r['train_auc']:.3f} |")
-    write_result("decision_probe_smoke" if a.smoke else "decision_probe", {
+    write_result(f"{a.json}_smoke" if a.smoke else a.json, {
         "benchmark": "decision_probe", "model": a.model, "edits": a.edits, "items": {"train": len(train), "test": len(test)},
         "balance": {"train_faithful": int(y_train.sum()), "test_faithful": int(y_test.sum())},
         "seq_len": seq_len, "layers": n_layers, "zero_shot": zero_shot, "probes": rows,
