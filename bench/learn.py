@@ -80,8 +80,8 @@ def data(out: Path, sizes: dict[str, int], val: int, test: int, log: Path, model
 def evaluate(model: str, test: Path, out: Path, log: Path, extra: list[str] = ()) -> float:
     if (out / "eval.json").exists():
         return 0.0
-    # dtype auto (CPU): fp32 for both, the checkpoints' dtype, and for the GGUF file, whose header names no
-    # float type; --gpu passes dtype=bf16
+    # dtype auto (CPU): the checkpoint's dtype (fp32 unless trained with model.dtype=bf16), fp32 for the GGUF
+    # file, whose header names no float type; --gpu passes dtype=bf16
     return sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out}", "max_new_tokens=48", "progress=false",
                *extra], log)
 
@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--edits", default="counterfactual", choices=["counterfactual", "erhg"],
                     help="hallucinated summaries (longsft data sample --edits): counterfactual ones only the article "
                          "reveals; erhg's rule edits a summary-only classifier finds (AUC 0.93: bench/decision_probe.py)")
-    ap.add_argument("--ranks", type=int, default=None, help="training processes (2 on CPU: sp=2; --gpu 1)")
+    ap.add_argument("--ranks", type=int, default=None, help="training processes (2 on CPU: sp=2; --gpu 1); on CPU --ranks 1 also needs parallel.sp_size=1")
     ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
     args, overrides = ap.parse_known_args()
     sizes = GPU_SIZES if args.gpu else CPU_SIZES
