@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=None, help="training processes (2 on CPU: sp=2; --gpu 1); on CPU --ranks 1 also needs parallel.sp_size=1")
     ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
     args, overrides = ap.parse_known_args()
+    if args.ranks is not None and args.ranks < 1:
+        ap.error(f"--ranks {args.ranks}: at least 1 training process")
     sizes = GPU_SIZES if args.gpu else CPU_SIZES
     for key, value in sizes.items():
         if getattr(args, key) is None:
