@@ -108,11 +108,13 @@ def main() -> None:
     ap.add_argument("--edits", default="counterfactual", choices=["counterfactual", "erhg"],
                     help="hallucinated summaries (longsft data sample --edits): counterfactual ones only the article "
                          "reveals; erhg's rule edits a summary-only classifier finds (AUC 0.93: bench/decision_probe.py)")
-    ap.add_argument("--ranks", type=int, default=None, help="training processes (2 on CPU: sp=2; --gpu 1); on CPU --ranks 1 also needs parallel.sp_size=1")
+    ap.add_argument("--ranks", type=int, default=None,
+                    help="training processes (2 on CPU: sp=2; --gpu 1); on CPU --ranks 1 also needs parallel.sp_size=1")
     ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
     args, overrides = ap.parse_known_args()
     if args.ranks is not None and args.ranks < 1:
         ap.error(f"--ranks {args.ranks}: at least 1 training process")
+    args.ranks = args.ranks or (1 if args.gpu else 2)
     sizes = GPU_SIZES if args.gpu else CPU_SIZES
     for key, value in sizes.items():
         if getattr(args, key) is None:
@@ -147,7 +149,7 @@ def main() -> None:
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
     if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
         timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc_per_node={args.ranks or (1 if args.gpu else 2)}",
+                           f"--nproc_per_node={args.ranks}",
                             str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}",
                             f"data.train_file={data_dir}/{{bucket}}/train.jsonl",
                             f"data.validation_file={data_dir}/{{bucket}}/validation.jsonl",
@@ -170,7 +172,8 @@ def main() -> None:
     losses = [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)} for m in metrics if m["kind"] == "train"]
     total = sum(wall.values())
     result = {
-        "benchmark": "learn", "model": model, "ranks": args.ranks or (1 if args.gpu else 2), "recipe": "smollm2_135m", "overrides": [*train_keys, *overrides],
+        "benchmark": "learn", "model": model, "ranks": args.ranks, "recipe": "smollm2_135m",
+        "overrides": [*train_keys, *overrides],
         "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
                  "test": args.test, "languages": ["en"], "balanced": True, "edits": args.edits},
         "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
