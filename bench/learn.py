@@ -95,6 +95,15 @@ def delta(a: Path, b: Path, policy: str | None = None) -> dict:
                for k in ("diff", "low", "high", "p_value")}}
 
 
+def answers(path: Path) -> dict[str, int]:
+    """How many of a validation file's answers say each label (the shared scorer's parser)."""
+    from longsft.train.scoring.judgement import parse_judgement
+
+    js = [parse_judgement(json.loads(x)["prediction"]) for x in path.read_text().splitlines() if x.strip()]
+    return {"hallucinated": sum(j.valid and j.hallucinated for j in js),
+            "faithful": sum(j.valid and not j.hallucinated for j in js), "invalid": sum(not j.valid for j in js)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="working folder (data, run, evals, logs; default runs/learn[_gpu])")
@@ -167,7 +176,9 @@ def main() -> None:
     evals = {k: json.loads((out / "eval" / k / "eval.json").read_text()) for k in ("base", "first", "final", "vote")}
     ev = out / "eval"
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    curve = [{k: m.get(k) for k in ("stage", "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss")}
+    curve = [{**{k: m.get(k) for k in ("stage", "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss",
+                                        "decision_auc", "decision_log_odds")},
+              "answers": answers(run / "stages" / m["stage"] / "val" / f"step_{m['step']:07d}.jsonl")}
              for m in metrics if m["kind"] == "val"]
     losses = [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)} for m in metrics if m["kind"] == "train"]
     total = sum(wall.values())

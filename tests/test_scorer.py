@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef
+from sklearn.metrics import balanced_accuracy_score, matthews_corrcoef, roc_auc_score
 
 from longsft.train.scoring.judgement import normalize_type, parse_judgement
-from longsft.train.scoring.metrics import Item, binary_metrics, score_items
+from longsft.train.scoring.metrics import Item, binary_metrics, roc_auc, score_items
 
 LONGSFT = [sys.executable, "-m", "longsft.launch.cli"]
 
@@ -107,6 +107,15 @@ def test_metric_edge_cases_equal_sklearn(y_true, y_pred):
     m = binary_metrics(y_true, y_pred)
     assert m["balanced_accuracy"] == pytest.approx(balanced_accuracy_score(y_true, y_pred))
     assert m["mcc"] == pytest.approx(matthews_corrcoef(y_true, y_pred))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_roc_auc_equals_sklearn_ties_included(seed):
+    rng = random.Random(seed)
+    y = [rng.randint(0, 1) for _ in range(40)]
+    scores = [rng.choice([-1.0, 0.0, 0.5, 2.0]) if seed % 2 else rng.gauss(0, 1) for _ in y]  # odd seeds: many ties
+    assert roc_auc(y, scores) == pytest.approx(roc_auc_score(y, scores))
+    assert roc_auc([1, 1], [0.1, 0.2]) is None and roc_auc([0, 1], [0.2, 0.1]) == 0.0
 
 
 def test_type_recall():

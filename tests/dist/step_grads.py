@@ -11,7 +11,7 @@ into rows in ``ds`` mode, while ``ref`` always runs each sample on its own.
 
 ``ds`` is the trainer itself: a :class:`StageTrainer` built as the curriculum builds it (data,
 DeepSpeed engine) runs its own ``train_step(0)``; the gradients are read before the update.
-``val`` runs the same trainer's validation hook instead (judgements, shared scorer, validation loss)
+``val`` runs the same trainer's validation hook instead (judgements, shared scorer, validation loss, decision log-odds)
 on DATA's first ``validation.max_samples`` samples and saves its metrics and rows: however the
 ranks split the items, the result must be the one-process result.
 ``ref`` shares only the encoded samples and the choice of the step's samples with it: a plain
@@ -101,7 +101,7 @@ def main(mode: str, model_dir: str, data: str, out: str, dp: int, overrides: lis
         v = cfg.validation
         metrics, rows = run_validation(trainer.engine, tok, trainer.val, d, v.max_new_tokens, v.invalid_policy,
                                        True, trainer.pad_id, cfg.model.loss_chunk_tokens, cfg.model.attn_implementation,
-                                       v.whole_model_gb)
+                                       v.whole_model_gb, decision=v.decision)
         if d.is_main:
             torch.save({"metrics": metrics, "rows": rows}, out)
         distributed.shutdown()

@@ -121,6 +121,9 @@ class ValidationConfig:
     max_new_tokens: int = 256
     invalid_policy: Literal["wrong", "hallucinated", "faithful"] = "wrong"
     loss: bool = True  # also compute teacher-forced validation loss (tie-breaker)
+    # Also the decision token's log-odds (hallucinated vs faithful answer key, teacher-forced): its ROC
+    # AUC over the items and its mean. One forward per item over its prompt; the tie-breaker after MCC
+    decision: bool = True
     # Under ZeRO-3, generate on a whole copy of the model on every rank when its weights take at most
     # this many GB (each rank then decodes its own items, no collective per token); larger, or 0: on
     # the partitioned model, which gathers every layer's weights for every new token, ranks in step.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 from longsft.train.scoring.bootstrap import bootstrap_ci
 from longsft.train.scoring.judgement import TYPES, Judgement, parse_judgement
@@ -60,6 +60,27 @@ def binary_metrics(y_true: list[int], y_pred: list[int]) -> dict[str, float]:
     denom = math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
     mcc = (tp * tn - fp * fn) / denom if denom else 0.0
     return {"balanced_accuracy": ba, "mcc": mcc, "tp": tp, "tn": tn, "fp": fp, "fn": fn}
+
+
+def roc_auc(y_true: Sequence[int], scores: Sequence[float]) -> float | None:
+    """Area under the ROC curve of ``scores`` for class 1 (scikit-learn's ``roc_auc_score``: tied
+    scores count half), as the Mann-Whitney statistic over average ranks; None without both classes."""
+    pos = sum(1 for t in y_true if t == 1)
+    neg = len(y_true) - pos
+    if pos == 0 or neg == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):  # a run of tied scores shares the mean of its ranks (1-based)
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    rank_sum = sum(r for r, t in zip(ranks, y_true) if t == 1)
+    return (rank_sum - pos * (pos + 1) / 2) / (pos * neg)
 
 
 def labels(items: Iterable[Item], policy: InvalidPolicy = "wrong") -> tuple[list[int], list[int]]:

@@ -28,8 +28,8 @@ def write_report(run_dir: Path, state: dict) -> None:
     records = _dedupe(read_metrics(run_dir))
     plots = _plots(run_dir, records, list(state["stages"]))
     lines = [f"# longsft run: {state['recipe']}", "",
-             "| stage | status | steps | best step | BA | MCC | invalid | val loss | train samples (trunc/skip) | time |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| stage | status | steps | best step | BA | MCC | invalid | decision AUC | val loss | train samples (trunc/skip) | time |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     total = 0.0
     for name, s in state["stages"].items():
         b = s.get("best") or {}
@@ -38,6 +38,7 @@ def write_report(run_dir: Path, state: dict) -> None:
         lines.append(
             f"| {name} | {s['status']} | {s.get('steps_done', 0)}/{s.get('total_steps', '?')} | {b.get('step', '–')} | "
             f"{_fmt(b.get('balanced_accuracy'))} | {_fmt(b.get('mcc'))} | {_fmt(b.get('invalid_rate'), '.1%')} | "
+            f"{_fmt(b.get('decision_auc'))} | "
             f"{_fmt(b.get('val_loss'), '.4f')} | {data.get('kept', '?')} ({data.get('truncated', 0)}/"
             f"{data.get('skipped', 0)}) | {s.get('seconds', 0.0):.0f} s |")
     lines += ["", f"Training time (all stages, summed over runs): {total:.0f} s."]
@@ -46,7 +47,8 @@ def write_report(run_dir: Path, state: dict) -> None:
     lines += ["", "Best checkpoints (HF format, `AutoModelForCausalLM.from_pretrained`):", ""]
     lines += [f"- {n}: `{s['best']['path']}`" for n, s in state["stages"].items() if s.get("best")]
     lines += ["", "BA/MCC: shared scorer (`longsft.eval`), invalid outputs counted as wrong unless the recipe "
-              "says otherwise; best = highest BA, then MCC, then lowest validation loss.", ""]
+              "says otherwise; best = highest BA, then MCC, then the decision token's log-odds AUC, then lowest "
+              "validation loss.", ""]
     lines += [f"![{p.stem}]({p.relative_to(run_dir)})" for p in plots]
     atomic_write_text(run_dir / "report.md", "\n".join(lines) + "\n")
 

@@ -58,7 +58,8 @@ class Tracker:
         elif record["kind"] == "val":
             self.write(f"[{record['stage']} step {record['step']}] val BA={record['balanced_accuracy']:.3f} "
                        f"MCC={record['mcc']:.3f} invalid={record['invalid_rate']:.1%} "
-                       f"loss={record.get('val_loss', float('nan')):.4f}")
+                       f"loss={record.get('val_loss', float('nan')):.4f}"
+                       + _decision(record.get("decision_auc"), record.get("decision_log_odds")))
 
     def write(self, text: str) -> None:
         if not self.enabled:
@@ -89,3 +90,8 @@ def _wandb_id(run_dir: Path) -> str:
 def read_metrics(run_dir: Path) -> list[dict]:
     """``metrics.jsonl`` of a run (a line cut off by a crash skipped)."""
     return [rec for _, rec in iter_jsonl(run_dir / "metrics.jsonl", log=True)]
+
+
+def _decision(auc: float | None, lean: float | None) -> str:
+    """`` decision AUC=0.696 lean=+0.28`` for the log line, or nothing where there is none."""
+    return "" if auc is None or lean is None else f" decision AUC={auc:.3f} lean={lean:+.2f}"

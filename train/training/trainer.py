@@ -218,17 +218,17 @@ class StageTrainer:
         batch = v.batch_tokens if v.batch_tokens >= 0 else (self.stage.seq_len if self.d.device.type == "cuda" else 0)
         metrics, rows = run_validation(self.engine, self.tok, self.val, self.d, v.max_new_tokens, v.invalid_policy,
                                        v.loss, self.pad_id, self.cfg.model.loss_chunk_tokens,
-                                       self.cfg.model.attn_implementation, v.whole_model_gb, batch)
+                                       self.cfg.model.attn_implementation, v.whole_model_gb, batch, v.decision)
         metrics.update(kind="val", stage=self.stage.name, step=step, seconds=time.time() - t0)
         if self.d.is_main:
             write_jsonl(self.dir / "val" / f"step_{step:07d}.jsonl", rows)
         self.tracker.log(metrics)
         self.state.setdefault("validations", []).append({k: metrics[k] for k in (
-            "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss")})
+            "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss", "decision_auc", "decision_log_odds")})
         if is_better(metrics, self.state.get("best")):
             checkpoint.export_hf(self.engine, self.tok, self.d, self.dir / "best", metrics)
             self.state["best"] = {"path": str(self.dir / "best"), **{k: metrics[k] for k in (
-                "step", "balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "val_loss")}}
+                "step", "balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "val_loss", "decision_auc")}}
             self.tracker.write(f"[{self.stage.name} step {step}] new best (BA {metrics['balanced_accuracy']:.3f})")
 
     def _release(self) -> None:

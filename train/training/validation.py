@@ -26,6 +26,7 @@ from longsft.train.parallel import comm
 from longsft.train.parallel.comm import all_gather_objects, all_reduce
 from longsft.train.parallel.distributed import Dist
 from longsft.train.scoring.metrics import Item, score_items
+from longsft.train.training.decision import DecisionKey, decision_key, decision_metrics
 
 
 def _shard(items: list, d: Dist, padded: bool = True) -> list[tuple[int, bool]]:
@@ -134,27 +135,57 @@ def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int, chunk_to
     return loss_sum / n_sum if n_sum > 0 else float("nan")
 
 
+@torch.no_grad()
+def decision_log_odds(engine, items: list[Encoded], key: DecisionKey, d: Dist, pad_id: int) -> list[float]:
+    """log p(hallucinated key) - log p(faithful key) for each item (:mod:`~longsft.train.training.decision`),
+    in ``items``' order, on every rank: one forward per item over its prompt and the answer tokens both
+    classes share, the last position's logits only (ranks padded to the same count: under ZeRO-3 each
+    forward is a collective)."""
+    engine.module.eval()
+    mine = []
+    try:
+        for i, real in _shard(items, d):
+            e = items[i]
+            head = Encoded(e.meta, e.input_ids[:e.prompt_len + key.offset], e.prompt_len)
+            batch = {k: v.to(d.device) for k, v in collate([head], pad_id).items()}
+            out = engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                               position_ids=batch["position_ids"], use_cache=False, logits_to_keep=1)
+            logits = out.logits[0, -1].float()  # [vocab]
+            if real:
+                mine.append((i, float(logits[key.hallucinated] - logits[key.faithful])))
+    finally:
+        engine.module.train()
+    odds = dict(pair for part in all_gather_objects(mine) for pair in part)
+    return [odds[i] for i in range(len(items))]
+
+
 def run_validation(engine, tokenizer, items: list[Encoded], d: Dist, max_new_tokens: int, policy: str,
                    with_loss: bool, pad_id: int, chunk_tokens: int = 0, attn: str = "sdpa",
-                   whole_model_gb: float = 0.0, batch_tokens: int = 0) -> tuple[dict, list[dict]]:
-    """Judgements -> shared scorer metrics (+ validation loss). Identical result on every rank."""
+                   whole_model_gb: float = 0.0, batch_tokens: int = 0, decision: bool = False) -> tuple[dict, list[dict]]:
+    """Judgements -> shared scorer metrics (+ validation loss; + ``decision``: the decision token's
+    log-odds AUC and mean, None where the answers have no one decision token). Identical on every rank."""
     rows = generate_judgements(engine, tokenizer, items, d, max_new_tokens, attn, whole_model_gb, batch_tokens)
     scored = [Item(id=r["id"], prediction=r["prediction"], gold_score=r["gold_score"], bucket=r["bucket"],
                    language=r["language"], gold_types=tuple(r["types"])) for r in rows]
     result = score_items(scored, policy)
     metrics = {k: result[k] for k in ("balanced_accuracy", "mcc", "invalid_rate", "contradiction_rate", "n")}
     metrics["val_loss"] = validation_loss(engine, items, d, pad_id, chunk_tokens) if with_loss else float("nan")
+    key = decision_key(items) if decision else None
+    metrics.update(decision_metrics(items, decision_log_odds(engine, items, key, d, pad_id) if key else None))
     return metrics, rows
 
 
 def is_better(new: dict, best: dict | None) -> bool:
-    """Balanced Accuracy, then MCC, then lower validation loss."""
+    """Balanced Accuracy, then MCC, then the decision's AUC (how well the model ranks the items while
+    its answers tie: a constant answer ties every other at BA 0.5, MCC 0), then lower validation loss."""
     if best is None:
         return True
 
     def key(m: dict) -> tuple:
         loss = m.get("val_loss")
         loss = float("inf") if loss is None or loss != loss else loss
-        return (round(m["balanced_accuracy"], 12), round(m["mcc"], 12), -loss)
+        auc = m.get("decision_auc")
+        auc = float("-inf") if auc is None or auc != auc else round(auc, 12)
+        return (round(m["balanced_accuracy"], 12), round(m["mcc"], 12), auc, -loss)
 
     return key(new) > key(best)
