@@ -14,7 +14,7 @@ from longsft.train.training.validation import decision_log_odds, is_better
 
 @pytest.fixture(scope="module")
 def encoded(sample_dir, tokenizer):
-    """The sample set's 512 items of both languages, encoded as training encodes them."""
+    """The sample set's 512-bucket items (12, both languages), encoded as training encodes them."""
     return [encode(s, tokenizer, 768) for s in load_samples(sample_dir / "512" / "train.jsonl")]
 
 
@@ -39,23 +39,34 @@ def test_no_key_without_one_decision_token():
     assert decision_metrics([item(5, [7])], None) == {"decision_auc": None, "decision_log_odds": None}
 
 
-def test_log_odds_equal_a_plain_forward_and_their_auc_sklearns(encoded, tiny_model_dir):
-    """Each item's log-odds are the plain model's logits of the two keys at the last shared answer
-    position of its own (full) sequence; the AUC equals scikit-learn's on them."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_odds_equal_a_plain_forward_and_their_auc_sklearns(encoded, tiny_model_dir, dtype):
+    """fp32: each item's log-odds are the plain model's logits of the two keys at the last shared answer
+    position of its own whole sequence. bf16: the final hidden state there times the head's two rows in
+    fp32, not the bf16 logits' difference (0.125 apart at magnitude 16). The AUC equals scikit-learn's."""
     from sklearn.metrics import roc_auc_score
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3", init=0.5), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3", init=0.5), dtype=dtype)
     engine = SimpleNamespace(module=model)
     d = Dist(rank=0, local_rank=0, dims=ParallelDims(1, 1), device=torch.device("cpu"))
     key = decision_key(encoded)
     odds = decision_log_odds(engine, encoded, key, d, pad_id=0)
     assert model.training  # handed back in train mode
     model.eval()
+    w = model.get_output_embeddings().weight.float()
     for e, got in zip(encoded, odds):
+        n = e.prompt_len + key.offset
         with torch.no_grad():
-            logits = model(torch.tensor([list(e.input_ids)])).logits[0, e.prompt_len + key.offset - 1]
-        assert got == pytest.approx(float(logits[key.hallucinated] - logits[key.faithful]), abs=1e-4)
+            if dtype == torch.float32:
+                logits = model(torch.tensor([list(e.input_ids)])).logits[0, n - 1]
+                want = float(logits[key.hallucinated] - logits[key.faithful])
+            else:  # the same prefix and inputs as the hook's forward: the same bf16 hidden state
+                ids = torch.tensor([list(e.input_ids[:n])])
+                h = model(ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(n)[None],
+                          output_hidden_states=True).hidden_states[-1][0, -1].float()
+                want = float((w[key.hallucinated] - w[key.faithful]) @ h)
+        assert got == pytest.approx(want, abs=1e-4)
     gold = [int(e.meta.gold_score < 3) for e in encoded]
     m = decision_metrics(encoded, odds)
     assert len(set(odds)) == len(odds) and 0 < sum(gold) < len(gold)
@@ -69,3 +80,6 @@ def test_decision_auc_breaks_a_tie_of_constant_answers():
     assert not is_better(dict(const, decision_auc=0.9, balanced_accuracy=0.49), const)  # BA first
     assert is_better(const, dict(const, decision_auc=None))  # none (free-form answers) ranks last
     assert is_better(dict(const, decision_auc=None, val_loss=0.9), dict(const, decision_auc=None))
+    old_best = {k: v for k, v in const.items() if k != "decision_auc"}  # kept by a run before the metric
+    assert not is_better(dict(const, decision_auc=0.9, val_loss=1.1), old_best)  # compared without it
+    assert is_better(dict(const, decision_auc=0.1, val_loss=0.9), old_best)

@@ -116,6 +116,7 @@ def test_roc_auc_equals_sklearn_ties_included(seed):
     scores = [rng.choice([-1.0, 0.0, 0.5, 2.0]) if seed % 2 else rng.gauss(0, 1) for _ in y]  # odd seeds: many ties
     assert roc_auc(y, scores) == pytest.approx(roc_auc_score(y, scores))
     assert roc_auc([1, 1], [0.1, 0.2]) is None and roc_auc([0, 1], [0.2, 0.1]) == 0.0
+    assert roc_auc([0, 1], [float("nan"), 0.1]) is None  # scikit-learn raises: no made-up ranking
 
 
 def test_type_recall():

@@ -64,10 +64,11 @@ def binary_metrics(y_true: list[int], y_pred: list[int]) -> dict[str, float]:
 
 def roc_auc(y_true: Sequence[int], scores: Sequence[float]) -> float | None:
     """Area under the ROC curve of ``scores`` for class 1 (scikit-learn's ``roc_auc_score``: tied
-    scores count half), as the Mann-Whitney statistic over average ranks; None without both classes."""
+    scores count half), as the Mann-Whitney statistic over average ranks; None without both classes or
+    with a score that is not a finite number (scikit-learn raises there)."""
     pos = sum(1 for t in y_true if t == 1)
     neg = len(y_true) - pos
-    if pos == 0 or neg == 0:
+    if pos == 0 or neg == 0 or not all(math.isfinite(s) for s in scores):
         return None
     order = sorted(range(len(scores)), key=lambda i: scores[i])
     ranks = [0.0] * len(scores)

@@ -21,7 +21,7 @@ from longsft.train.common.compat import full_shape
 from longsft.train.data.batching import collate
 from longsft.train.data.encoding import Encoded
 from longsft.train.model.generate import batches, generate_many
-from longsft.train.model.loss import token_loss_sum
+from longsft.train.model.loss import LAST_HIDDEN_STATE, logit_softcap, token_loss_sum
 from longsft.train.parallel import comm
 from longsft.train.parallel.comm import all_gather_objects, all_reduce
 from longsft.train.parallel.distributed import Dist
@@ -135,26 +135,51 @@ def validation_loss(engine, items: list[Encoded], d: Dist, pad_id: int, chunk_to
     return loss_sum / n_sum if n_sum > 0 else float("nan")
 
 
+def key_rows(model, key: DecisionKey) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's weight rows (and bias) of the hallucinated and the faithful key, fp32: [2, hidden]
+    ([2]). Under ZeRO-3 the head is gathered for it: a collective, every rank calls it."""
+    head = model.get_output_embeddings()
+    params = [p for p in (head.weight, getattr(head, "bias", None)) if p is not None]
+    rows = [key.hallucinated, key.faithful]
+    whole = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        whole = deepspeed.zero.GatheredParameters(params)
+    with whole:
+        w = head.weight[rows].float().clone()
+        b = head.bias[rows].float().clone() if getattr(head, "bias", None) is not None else None
+    return w, b
+
+
 @torch.no_grad()
 def decision_log_odds(engine, items: list[Encoded], key: DecisionKey, d: Dist, pad_id: int) -> list[float]:
     """log p(hallucinated key) - log p(faithful key) for each item (:mod:`~longsft.train.training.decision`),
     in ``items``' order, on every rank: one forward per item over its prompt and the answer tokens both
-    classes share, the last position's logits only (ranks padded to the same count: under ZeRO-3 each
-    forward is a collective)."""
-    engine.module.eval()
+    classes share (ranks padded to the same count: under ZeRO-3 each forward is a collective). The two
+    logits are the final hidden state times the head's two rows in fp32: bf16 logits of magnitude 16-32
+    lie 0.125 apart, as coarse as the log-odds being ranked."""
+    model = engine.module
+    w, b = key_rows(model, key)
+    cap = logit_softcap(model)
+    model.eval()
     mine = []
     try:
         for i, real in _shard(items, d):
             e = items[i]
             head = Encoded(e.meta, e.input_ids[:e.prompt_len + key.offset], e.prompt_len)
             batch = {k: v.to(d.device) for k, v in collate([head], pad_id).items()}
-            out = engine.module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                               position_ids=batch["position_ids"], use_cache=False, logits_to_keep=1)
-            logits = out.logits[0, -1].float()  # [vocab]
+            ids = batch["input_ids"]
+            out = model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"],
+                        use_cache=False, logits_to_keep=torch.zeros_like(ids, dtype=torch.bool),
+                        output_hidden_states=LAST_HIDDEN_STATE)
+            z = w @ out.hidden_states[-1][0, -1].float()  # [2]: the two keys' logits
+            z = z + b if b is not None else z
+            z = cap * torch.tanh(z / cap) if cap else z
             if real:
-                mine.append((i, float(logits[key.hallucinated] - logits[key.faithful])))
+                mine.append((i, float(z[0] - z[1])))
     finally:
-        engine.module.train()
+        model.train()
     odds = dict(pair for part in all_gather_objects(mine) for pair in part)
     return [odds[i] for i in range(len(items))]
 
@@ -181,11 +206,15 @@ def is_better(new: dict, best: dict | None) -> bool:
     if best is None:
         return True
 
-    def key(m: dict) -> tuple:
+    def auc(m: dict) -> float | None:
+        a = m.get("decision_auc", "absent")
+        return None if a == "absent" else float("-inf") if a is None or a != a else round(a, 12)
+
+    def key(m: dict, with_auc: bool) -> tuple:
         loss = m.get("val_loss")
         loss = float("inf") if loss is None or loss != loss else loss
-        auc = m.get("decision_auc")
-        auc = float("-inf") if auc is None or auc != auc else round(auc, 12)
-        return (round(m["balanced_accuracy"], 12), round(m["mcc"], 12), auc, -loss)
+        return (round(m["balanced_accuracy"], 12), round(m["mcc"], 12), *([auc(m)] if with_auc else []), -loss)
 
-    return key(new) > key(best)
+    # a best kept before the metric existed (a resumed older run) has none: compare without it
+    with_auc = auc(new) is not None and auc(best) is not None
+    return key(new, with_auc) > key(best, with_auc)
