@@ -111,6 +111,48 @@ def test_step_sampler_partitions_each_step_and_is_deterministic():
     assert len(set(epoch0)) == len(epoch0)
 
 
+@pytest.mark.parametrize("n_hallucinated, n, micro, accum", [(40, 80, 2, 2), (30, 120, 2, 2), (13, 37, 1, 3)])
+def test_stratified_steps_hold_the_classes_in_the_datas_proportion(n_hallucinated, n, micro, accum):
+    """data.stratify: each step's samples hold each class within less than 2 of its share of the global
+    batch (balanced data in even batches: exactly half each, where a plain shuffle's steps are not), each epoch is still a permutation of its own, the
+    map stays deterministic (resume), and the plain shuffle is unchanged without labels."""
+    import random
+
+    labels = [1] * n_hallucinated + [0] * (n - n_hallucinated)
+    random.Random(3).shuffle(labels)
+    plain, stratified = (StepSampler(n, 2, 0, micro, accum, 7, lab) for lab in (None, labels))
+    batch = 2 * micro * accum
+    assert stratified.global_batch == batch
+    share = batch * n_hallucinated / n
+
+    def counts(sampler):
+        return [sum(labels[i] for i in sampler.global_indices(s)) for s in range(2 * sampler.steps_per_epoch)]
+
+    assert all(abs(c - share) < 2 for c in counts(stratified))
+    if share == batch / 2:
+        assert set(counts(stratified)) == {batch // 2} != set(counts(plain))
+    for epoch in range(2):
+        seen = sum((stratified.global_indices(epoch * stratified.steps_per_epoch + s)
+                    for s in range(stratified.steps_per_epoch)), [])
+        assert len(set(seen)) == len(seen) == stratified.steps_per_epoch * batch
+    assert stratified.global_indices(1) != stratified.global_indices(1 + stratified.steps_per_epoch)
+    again = StepSampler(n, 2, 1, micro, accum, 7, labels)
+    assert again.global_indices(3) == stratified.global_indices(3)
+    old = list(range(n))
+    random.Random(7 * 1_000_003).shuffle(old)  # the plain sampler's epoch 0, as before the option existed
+    assert plain.global_indices(0) == old[:batch]
+
+
+def test_stratify_refuses_packing():
+    from longsft.train.common.errors import ConfigError
+    from longsft.train.config.checks import validate
+    from longsft.train.config.recipes import load_config
+
+    validate(load_config("tiny", ["data.stratify=true"]))
+    with pytest.raises(ConfigError, match="data.stratify=true needs data.packing=false"):
+        validate(load_config("tiny", ["data.stratify=true", "data.packing=true"]))
+
+
 def _enc(name, n, answer):
     return Encoded(Meta(name, "en", 4), list(range(1, n + 1)), n - answer)
 

@@ -63,6 +63,9 @@ def validate(cfg: RunConfig) -> None:
     if cfg.parallel.sp_backend == "ring_flash_attn" and cfg.parallel.sp_size > 1 and cfg.model.dtype == "fp32":
         raise ConfigError("parallel.sp_backend=ring_flash_attn runs flash-attn kernels, which take bf16 (its fp32 "
                           "ring backward is wrong): set model.dtype=bf16, or parallel.sp_backend=torch for fp32")
+    if cfg.data.stratify and cfg.data.packing:
+        raise ConfigError("data.stratify=true needs data.packing=false: a packed row holds samples of both classes, "
+                          "so a step's rows cannot be balanced by class")
     check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size, cfg.data.packing)
 
 

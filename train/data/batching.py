@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -67,24 +68,58 @@ def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1) ->
     return {"input_ids": ids, "attention_mask": mask, "position_ids": pos, "shift_labels": shift, "doc_ids": docs}
 
 
+def stratified_order(labels: Sequence[int], batch: int, rng: random.Random) -> list[int]:
+    """A permutation of ``range(len(labels))`` in which every aligned run of ``batch`` indices holds each
+    label in the whole set's proportion, as near as whole counts allow (each label's count in a run
+    differs from its share by less than 2; two classes of equal size in even batches: exactly half each). Each label's
+    indices in a shuffled order, dealt out to the label furthest behind its share so far, then each
+    run shuffled (which rank and micro-batch gets which item stays random)."""
+    by_label: dict[int, list[int]] = {}
+    for i, y in enumerate(labels):
+        by_label.setdefault(y, []).append(i)
+    names = sorted(by_label)
+    for y in names:
+        rng.shuffle(by_label[y])
+    n, taken, order = len(labels), dict.fromkeys(names, 0), []
+    for t in range(1, n + 1):  # the deficits sum to 1 > 0 and an exhausted label's is <= 0: never picked
+        y = max(names, key=lambda y: t * len(by_label[y]) / n - taken[y])
+        order.append(by_label[y][taken[y]])
+        taken[y] += 1
+    for start in range(0, n, batch):
+        run = order[start:start + batch]
+        rng.shuffle(run)
+        order[start:start + batch] = run
+    return order
+
+
 class StepSampler:
     """Deterministic map from optimizer step -> this rank's micro-batches.
 
     Each epoch is a seeded permutation; a global step takes ``dp_size * micro * accum`` samples
     (the tail that does not fill a step is dropped, so every rank sees the same number of
-    batches). Resuming at step ``s`` needs nothing but ``s``.
+    batches). Resuming at step ``s`` needs nothing but ``s``. With ``labels`` (one per row: the
+    class, ``data.stratify``) each step's samples hold the classes in the data's proportion
+    (:func:`stratified_order`); without, a plain shuffle.
     """
 
-    def __init__(self, n: int, dp_size: int, dp_rank: int, micro: int, accum: int, seed: int):
+    def __init__(self, n: int, dp_size: int, dp_rank: int, micro: int, accum: int, seed: int,
+                 labels: Sequence[int] | None = None):
         self.n, self.dp_size, self.dp_rank, self.micro, self.accum, self.seed = n, dp_size, dp_rank, micro, accum, seed
         self.global_batch = dp_size * micro * accum
         self.steps_per_epoch = n // self.global_batch
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"StepSampler: {len(labels)} labels for {n} rows")
+        self.labels = labels
 
     def global_indices(self, step: int) -> list[int]:
         """Every sample index of global ``step``, all ranks together."""
         epoch, pos = divmod(step, self.steps_per_epoch)
-        perm = list(range(self.n))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(perm)
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        if self.labels is not None:
+            perm = stratified_order(self.labels, self.global_batch, rng)
+        else:
+            perm = list(range(self.n))
+            rng.shuffle(perm)
         return perm[pos * self.global_batch:(pos + 1) * self.global_batch]
 
     def step(self, step: int) -> list[list[int]]:

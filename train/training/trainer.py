@@ -22,6 +22,7 @@ from longsft.train.model.build import build_hf_config, build_model
 from longsft.train.parallel import comm
 from longsft.train.parallel.distributed import Dist
 from longsft.train.plan.choose import choose
+from longsft.train.scoring.metrics import gold_label
 from longsft.train.training import checkpoint
 from longsft.train.training.engine import build_engine
 from longsft.train.training.preempt import StopRequested, StopRequests
@@ -76,8 +77,9 @@ class StageTrainer:
             cfg.validation.max_samples)
         train_path, val_path = stage_files(cfg, st)
         o = cfg.optim
+        labels = [gold_label(row[0].meta.gold_score) for row in self.train] if cfg.data.stratify else None
         self.sampler = StepSampler(len(self.train), self.d.dims.dp_size, self.d.dp_rank, o.micro_batch_size,
-                                   o.grad_accum, cfg.seed)
+                                   o.grad_accum, cfg.seed, labels)
         if self.sampler.steps_per_epoch == 0:
             raise ConfigError(f"stage {st.name!r}: {len(self.train)} usable samples in {train_path} "
                               f"(of {tstats.total}; {tstats.skipped} skipped as longer than {st.seq_len}) "
@@ -91,7 +93,8 @@ class StageTrainer:
         self.state.update(total_steps=self.total_steps, steps_per_epoch=spe,
                           data={"train": asdict(tstats), "validation": asdict(vstats),
                                 "train_file": str(train_path), "validation_file": str(val_path)})
-        packed = f" in {len(self.train)} packed rows" if cfg.data.packing else ""
+        packed = f" in {len(self.train)} packed rows" if cfg.data.packing else (
+            " (classes stratified per step)" if cfg.data.stratify else "")
         self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples{packed} "
                            f"({tstats.truncated} truncated, {tstats.skipped} skipped; policy={st.overflow}), "
                            f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}; data ready in "
