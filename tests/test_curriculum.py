@@ -107,8 +107,10 @@ def test_rerun_resumes_instead_of_retraining(finished_run):
 def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(tmp_path):
     """kill -9 one rank after two mid-stage checkpoints: the whole job ends quickly. Then damage the
     newest checkpoint (a truncated file): rerunning the same command detects it, resumes from the one
-    before and ends exactly like an uninterrupted run."""
-    over = TEST_OVERRIDES[:-1] + ["stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 8, every_steps: 4, "
+    before and ends exactly like an uninterrupted run. With class-stratified steps (data.stratify): the
+    resumed steps draw the same samples."""
+    over = TEST_OVERRIDES[:-1] + ["data.stratify=true",
+                                  "stages=[{name: a, bucket: '512', seq_len: 512, max_steps: 8, every_steps: 4, "
                                   "save_every_steps: 2}]"]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     torchrun([LAUNCH, "recipe=tiny", f"run_dir={ref_dir}", *over])
@@ -137,6 +139,7 @@ def test_killed_rank_ends_the_job_and_the_rerun_ends_like_an_uninterrupted_run(t
     with open(optim, "r+b") as f:  # bit of a disk failure: the file loses its tail
         f.truncate(optim.stat().st_size // 2)
     r = torchrun([LAUNCH, "recipe=tiny", f"run_dir={run_dir}", *over])
+    assert "(classes stratified per step)" in r.stdout
     assert f"deleted damaged checkpoint {tags[-1]} ({optim.name} has" in r.stdout
     # nothing before the last good save is lost: the rerun starts from it
     assert f"resumed from {tags[-2]} at step {int(tags[-2].name[5:])}" in r.stdout
