@@ -70,10 +70,11 @@ def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1) ->
 
 def stratified_order(labels: Sequence[int], batch: int, rng: random.Random) -> list[int]:
     """A permutation of ``range(len(labels))`` in which every aligned run of ``batch`` indices holds each
-    label in the whole set's proportion, as near as whole counts allow (each label's count in a run
-    differs from its share by less than 2; two classes of equal size in even batches: exactly half each). Each label's
-    indices in a shuffled order, dealt out to the label furthest behind its share so far, then each
-    run shuffled (which rank and micro-batch gets which item stays random)."""
+    label in the whole set's proportion, as near as whole counts allow: with two labels each run holds
+    the floor or the ceiling of a label's share (a label's running deficit stays in (-1/2, 1/2]; classes
+    of equal size in even batches: exactly half each). Each label's indices in a shuffled order, dealt
+    out to the label furthest behind its share so far (ties: the smaller label), then each run shuffled
+    (which rank and micro-batch gets which item stays random)."""
     by_label: dict[int, list[int]] = {}
     for i, y in enumerate(labels):
         by_label.setdefault(y, []).append(i)
@@ -110,17 +111,24 @@ class StepSampler:
         if labels is not None and len(labels) != n:
             raise ValueError(f"StepSampler: {len(labels)} labels for {n} rows")
         self.labels = labels
+        self._epoch: tuple[int, list[int]] | None = None  # (epoch, its order): made once per epoch, not per step
+
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's sample order: a function of (seed, epoch, labels) only."""
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = random.Random(self.seed * 1_000_003 + epoch)
+            if self.labels is not None:
+                perm = stratified_order(self.labels, self.global_batch, rng)
+            else:
+                perm = list(range(self.n))
+                rng.shuffle(perm)
+            self._epoch = (epoch, perm)
+        return self._epoch[1]
 
     def global_indices(self, step: int) -> list[int]:
         """Every sample index of global ``step``, all ranks together."""
         epoch, pos = divmod(step, self.steps_per_epoch)
-        rng = random.Random(self.seed * 1_000_003 + epoch)
-        if self.labels is not None:
-            perm = stratified_order(self.labels, self.global_batch, rng)
-        else:
-            perm = list(range(self.n))
-            rng.shuffle(perm)
-        return perm[pos * self.global_batch:(pos + 1) * self.global_batch]
+        return self.order(epoch)[pos * self.global_batch:(pos + 1) * self.global_batch]
 
     def step(self, step: int) -> list[list[int]]:
         """Indices for ``accum`` micro-batches of this rank at global ``step``."""

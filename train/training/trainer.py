@@ -94,7 +94,7 @@ class StageTrainer:
                           data={"train": asdict(tstats), "validation": asdict(vstats),
                                 "train_file": str(train_path), "validation_file": str(val_path)})
         packed = f" in {len(self.train)} packed rows" if cfg.data.packing else (
-            " (classes stratified per step)" if cfg.data.stratify else "")
+            " (classes stratified per step)" if self.sampler.labels is not None else "")
         self.tracker.write(f"stage {st.name}: {tstats.kept}/{tstats.total} train samples{packed} "
                            f"({tstats.truncated} truncated, {tstats.skipped} skipped; policy={st.overflow}), "
                            f"{len(self.val)} validation, {self.total_steps} steps of {self.sampler.global_batch}; data ready in "
