@@ -131,7 +131,8 @@ def main() -> None:
     args.out = args.out or ("runs/learn_gpu" if args.gpu else "runs/learn")
     args.json = args.json or ("learn_gpu" if args.gpu else "learn")
     model = args.model
-    train_keys = ([f"model.path={model}"] if model != MODEL else []) + \
+    # stratified steps: the fifth CPU run learned with them where the same run without did not (docs/training.md)
+    train_keys = ([f"model.path={model}"] if model != MODEL else []) + ["data.stratify=true"] + \
         (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
           # a 135M model on a 140 GB GPU: no recompute; validation in batches of many items (the CUDA
           # default budget is the stage's seq_len: one item at a time), every 100 optimizer steps: a
