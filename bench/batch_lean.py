@@ -1,0 +1,134 @@
+"""Does the decision's lean follow the last batches' majority? (issue 34, the plain sampler's label flips)
+
+    python bench/batch_lean.py --train runs/learn_cf/data/counterfactual/512/train.jsonl \
+        --results learn_cpu_counterfactual [--results ...]            (runs that ran: agreement)
+    python bench/batch_lean.py --train FILE --seed 7 --batch 4 --steps 200 --every 40 --json NAME
+                                                                        (a run still to come: the prediction)
+
+For each validation of a ``bench/learn.py`` run (one stage, one rank, a plain shuffle): the share of
+hallucinated samples in the optimizer step just before it and in the last 3 steps, rebuilt with
+longsft's own ``StepSampler`` from the run's seed and global batch, next to what the validation said
+(the answers "hallucinated" of all, and the decision's mean log-odds where the run recorded it).
+
+The rule tested: after a step with more hallucinated than faithful samples the answers lean
+"hallucinated" (more than half say so), after one with fewer they lean "faithful"; a tied step predicts
+nothing. Writes bench/results/<json>.json: every validation's row and, for runs with results, how many
+predictions held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from longsft.train.data.batching import StepSampler
+from longsft.train.scoring.metrics import gold_label
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import write_result
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def shares(labels: list[int], seed: int, batch: int, steps: list[int], window: int) -> list[float]:
+    """The hallucinated share of the ``window`` optimizer steps before each of ``steps`` (plain shuffle)."""
+    sampler = StepSampler(len(labels), 1, 0, 1, batch, seed)
+    out = []
+    for v in steps:
+        idx = [i for s in range(max(0, v - window), v) for i in sampler.global_indices(s)]
+        out.append(sum(labels[i] for i in idx) / len(idx))
+    return out
+
+
+def predict(share: float) -> str | None:
+    """The lean the rule predicts after a step with this hallucinated share (None: a tie)."""
+    return None if share == 0.5 else "hallucinated" if share > 0.5 else "faithful"
+
+
+def run_config(result: dict) -> tuple[int, int, list[int]]:
+    """(seed, global batch, validation steps) of a one-stage, one-rank learn.py results file."""
+    if result.get("ranks") != 1:
+        raise SystemExit("bench/batch_lean.py: only one-rank runs (the rule rebuilds one rank's steps)")
+    keys = dict(o.split("=", 1) for o in result["overrides"] if "=" in o and not o.startswith("stages="))
+    if keys.get("data.stratify") == "true":
+        raise SystemExit("bench/batch_lean.py: the run stratified its steps; the rule needs a plain shuffle")
+    seed = int(keys.get("seed", 42))
+    batch = int(keys.get("optim.grad_accum", 1)) * int(keys.get("optim.micro_batch_size", 1))
+    return seed, batch, [v["step"] for v in result["validation_curve"]]
+
+
+def rows(labels: list[int], seed: int, batch: int, steps: list[int], curve: list[dict] | None) -> list[dict]:
+    """One row per validation: the shares, the prediction and (with ``curve``) what happened."""
+    last, last3 = shares(labels, seed, batch, steps, 1), shares(labels, seed, batch, steps, 3)
+    out = []
+    for i, step in enumerate(steps):
+        row = {"step": step, "share_last_step": last[i], "share_last_3": round(last3[i], 3),
+               "predicted_lean": predict(last[i])}
+        if curve is not None:
+            v = curve[i]
+            n = sum(v["answers"].values())
+            row["answers_hallucinated"] = f"{v['answers']['hallucinated']}/{n}"
+            row["lean"] = "hallucinated" if v["answers"]["hallucinated"] > n / 2 else "faithful"
+            if v.get("decision_log_odds") is not None:
+                row["decision_log_odds"] = round(v["decision_log_odds"], 3)
+            row["held"] = None if row["predicted_lean"] is None else row["predicted_lean"] == row["lean"]
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", required=True, help="the run's training file (its 512 bucket's train.jsonl)")
+    ap.add_argument("--results", action="append", default=[], help="a learn.py results name (bench/results/NAME.json)")
+    ap.add_argument("--seed", type=int, help="a run still to come: its seed")
+    ap.add_argument("--batch", type=int, help="... its global batch")
+    ap.add_argument("--steps", type=int, help="... its optimizer steps")
+    ap.add_argument("--every", type=int, help="... its validation interval")
+    ap.add_argument("--json", default="batch_lean", help="results name: bench/results/<name>.json")
+    args = ap.parse_args()
+    path = Path(args.train)
+    if not path.is_file():
+        ap.error(f"--train {path}: no such file")
+    labels = []
+    for n, line in enumerate(open(path), 1):
+        try:
+            labels.append(gold_label(float(json.loads(line)["gold_score"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"bench/batch_lean.py: {path}:{n}: no gold_score ({e})")
+    runs = {}
+    for name in args.results:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not (RESULTS / f"{name}.json").is_file():
+            ap.error(f"--results {name}: no bench/results/{name}.json")
+        result = json.loads((RESULTS / f"{name}.json").read_text())
+        seed, batch, steps = run_config(result)
+        runs[name] = {"seed": seed, "batch": batch,
+                      "rows": rows(labels, seed, batch, steps, result["validation_curve"])}
+    if args.seed is not None:
+        if None in (args.batch, args.steps, args.every):
+            ap.error("--seed needs --batch, --steps and --every")
+        steps = list(range(args.every, args.steps + 1, args.every))
+        runs[f"seed{args.seed}_batch{args.batch}"] = {"seed": args.seed, "batch": args.batch,
+                                                       "rows": rows(labels, args.seed, args.batch, steps, None)}
+    if not runs:
+        ap.error("give --results NAME or --seed/--batch/--steps/--every")
+    tested = [r["held"] for run in runs.values() for r in run["rows"] if r.get("held") is not None]
+    print(f"{'run':42} {'step':>5} {'last':>5} {'last 3':>6}  predicted     answers   log-odds  held")
+    for name, run in runs.items():
+        for r in run["rows"]:
+            print(f"{name:42} {r['step']:5d} {r['share_last_step']:5.2f} {r['share_last_3']:6.2f}  "
+                  f"{str(r['predicted_lean']):12}  {r.get('answers_hallucinated', ''):>7}  "
+                  f"{str(r.get('decision_log_odds', '')):>8}  {r.get('held', '')}")
+    summary = {"predictions_tested": len(tested), "held": sum(tested)}
+    if tested:
+        print(f"the rule held {sum(tested)} of {len(tested)} times (ties predict nothing)")
+    write_result(args.json, {"benchmark": "batch_lean", "train": str(path), "rule": "lean follows the last "
+                             "step's majority (answers: more than half 'hallucinated' or not); a tied step "
+                             "predicts nothing", "runs": runs, **summary})
+
+
+if __name__ == "__main__":
+    main()
