@@ -55,8 +55,10 @@ def run_config(result: dict) -> tuple[int, int, list[int]]:
     keys = dict(o.split("=", 1) for o in result["overrides"] if "=" in o and not o.startswith("stages="))
     if keys.get("data.stratify") == "true":
         raise SystemExit("bench/batch_lean.py: the run stratified its steps; the rule needs a plain shuffle")
-    seed = int(keys.get("seed", 42))
-    batch = int(keys.get("optim.grad_accum", 1)) * int(keys.get("optim.micro_batch_size", 1))
+    if "optim.grad_accum" not in keys:  # the recipe's default is not read here: say it instead
+        raise SystemExit("bench/batch_lean.py: the run's overrides do not set optim.grad_accum")
+    seed = int(keys.get("seed", 42))  # recipes/smollm2_135m.yaml's seed and micro-batch
+    batch = int(keys["optim.grad_accum"]) * int(keys.get("optim.micro_batch_size", 1))
     return seed, batch, [v["step"] for v in result["validation_curve"]]
 
 

@@ -7,7 +7,8 @@
 
 On CPU: 2 ranks, sequence parallelism (ring) and ZeRO-3, a few hundred samples. With ``--gpu``: one
 rank, bf16, ZeRO-2 without offload, 2,000 / 400 / 100 training samples and 400 held-out test items by
-default, the evaluations batched on the GPU (``longsft eval``'s ``batch_tokens``).
+default, batch 4 at lr 1e-4 (the fifth CPU run's, which learned), the evaluations batched on the GPU
+(``longsft eval``'s ``batch_tokens``). Both stratify each step's classes (``data.stratify``).
 
 1. data by longsft's own pipeline (``longsft data sample``: faithful summaries and hallucinated ones,
    English, balanced, one article per sample, so train / validation / held-out test share none). The
@@ -135,11 +136,13 @@ def main() -> None:
     train_keys = ([f"model.path={model}"] if model != MODEL else []) + ["data.stratify=true"] + \
         (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
           # a 135M model on a 140 GB GPU: no recompute; validation in batches of many items (the CUDA
-          # default budget is the stage's seq_len: one item at a time), every 100 optimizer steps: a
+          # default budget is the stage's seq_len: one item at a time), every 50 optimizer steps: a
           # learning curve of ~13 points (10 in the 512 stage) for the hook to choose each stage's best
           # from, where once per epoch gives it one candidate per stage
           "model.gradient_checkpointing=false", "validation.batch_tokens=65536",
-          "validation.every_steps=100"] if args.gpu else [])
+          "validation.every_steps=50",
+          # the batch and learning rate of the CPU run that learned (the recipe's: 2 and 2e-4)
+          "optim.grad_accum=4", "optim.lr=1e-4"] if args.gpu else [])
     eval_keys = ["dtype=bf16"] if args.gpu else []
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
