@@ -11,7 +11,7 @@ longsft's own ``StepSampler`` from the run's seed and global batch, next to what
 (the answers "hallucinated" of all, and the decision's mean log-odds where the run recorded it).
 
 The rule tested: after a step with more hallucinated than faithful samples the answers lean
-"hallucinated" (more than half say so), after one with fewer they lean "faithful"; a tied step predicts
+"hallucinated" (more say so than "faithful"), after one with fewer they lean "faithful"; a tied step predicts
 nothing. Writes bench/results/<json>.json: every validation's row and, for runs with results, how many
 predictions held.
 """
@@ -24,6 +24,7 @@ import re
 import sys
 from pathlib import Path
 
+from longsft.train.config.loader import parse_override
 from longsft.train.data.batching import StepSampler
 from longsft.train.scoring.metrics import gold_label
 
@@ -48,15 +49,24 @@ def predict(share: float) -> str | None:
     return None if share == 0.5 else "hallucinated" if share > 0.5 else "faithful"
 
 
-def run_config(result: dict) -> tuple[int, int, list[int]]:
-    """(seed, global batch, validation steps) of a one-stage, one-rank learn.py results file."""
+def run_config(result: dict, n_rows: int) -> tuple[int, int, list[int]]:
+    """(seed, global batch, validation steps) of a one-stage, one-rank learn.py results file whose training
+    rows are the ``n_rows`` lines of --train in file order (no packing; nothing skipped, which the run's
+    log line "N/N train samples (0 truncated, 0 skipped ...)" says and this does not check)."""
     if result.get("ranks") != 1:
         raise SystemExit("bench/batch_lean.py: only one-rank runs (the rule rebuilds one rank's steps)")
-    keys = dict(o.split("=", 1) for o in result["overrides"] if "=" in o and not o.startswith("stages="))
-    if keys.get("data.stratify") == "true":
-        raise SystemExit("bench/batch_lean.py: the run stratified its steps; the rule needs a plain shuffle")
+    stages = {v.get("stage") for v in result["validation_curve"]}
+    if len(stages) != 1:
+        raise SystemExit(f"bench/batch_lean.py: validations of {len(stages)} stages; the rule reads one stage's")
+    keys = dict(parse_override(o) for o in result["overrides"] if not o.startswith("stages="))  # the last wins
+    if keys.get("data.stratify") is True or keys.get("data.packing") is True:
+        raise SystemExit("bench/batch_lean.py: the run stratified or packed its steps; the rule needs a plain "
+                         "shuffle of one sample per row")
     if "optim.grad_accum" not in keys:  # the recipe's default is not read here: say it instead
         raise SystemExit("bench/batch_lean.py: the run's overrides do not set optim.grad_accum")
+    trained = result.get("data", {}).get("train", {}).get("512")
+    if trained != n_rows:
+        raise SystemExit(f"bench/batch_lean.py: the run made {trained} training samples, --train has {n_rows}")
     seed = int(keys.get("seed", 42))  # recipes/smollm2_135m.yaml's seed and micro-batch
     batch = int(keys["optim.grad_accum"]) * int(keys.get("optim.micro_batch_size", 1))
     return seed, batch, [v["step"] for v in result["validation_curve"]]
@@ -71,9 +81,9 @@ def rows(labels: list[int], seed: int, batch: int, steps: list[int], curve: list
                "predicted_lean": predict(last[i])}
         if curve is not None:
             v = curve[i]
-            n = sum(v["answers"].values())
-            row["answers_hallucinated"] = f"{v['answers']['hallucinated']}/{n}"
-            row["lean"] = "hallucinated" if v["answers"]["hallucinated"] > n / 2 else "faithful"
+            a = v["answers"]
+            row["answers_hallucinated"] = f"{a['hallucinated']}/{sum(a.values())}"
+            row["lean"] = "hallucinated" if a["hallucinated"] > a["faithful"] else "faithful"  # invalid: neither
             if v.get("decision_log_odds") is not None:
                 row["decision_log_odds"] = round(v["decision_log_odds"], 3)
             row["held"] = None if row["predicted_lean"] is None else row["predicted_lean"] == row["lean"]
@@ -92,6 +102,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, help="... its validation interval")
     ap.add_argument("--json", default="batch_lean", help="results name: bench/results/<name>.json")
     args = ap.parse_args()
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.json) or args.json.startswith("."):
+        ap.error(f"--json {args.json!r}: a name, not a path (the file is bench/results/<name>.json)")
     path = Path(args.train)
     if not path.is_file():
         ap.error(f"--train {path}: no such file")
@@ -106,7 +118,7 @@ def main() -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not (RESULTS / f"{name}.json").is_file():
             ap.error(f"--results {name}: no bench/results/{name}.json")
         result = json.loads((RESULTS / f"{name}.json").read_text())
-        seed, batch, steps = run_config(result)
+        seed, batch, steps = run_config(result, len(labels))
         runs[name] = {"seed": seed, "batch": batch,
                       "rows": rows(labels, seed, batch, steps, result["validation_curve"])}
     if args.seed is not None:
@@ -128,7 +140,7 @@ def main() -> None:
     if tested:
         print(f"the rule held {sum(tested)} of {len(tested)} times (ties predict nothing)")
     write_result(args.json, {"benchmark": "batch_lean", "train": str(path), "rule": "lean follows the last "
-                             "step's majority (answers: more than half 'hallucinated' or not); a tied step "
+                             "step's majority (the answers: more 'hallucinated' than 'faithful', or not); a tied step "
                              "predicts nothing", "runs": runs, **summary})
 
 

@@ -141,7 +141,7 @@ def main() -> None:
           # from, where once per epoch gives it one candidate per stage
           "model.gradient_checkpointing=false", "validation.batch_tokens=65536",
           "validation.every_steps=50",
-          # the batch and learning rate of the CPU run that learned (the recipe's: 2 and 2e-4)
+          # the batch and learning rate of the CPU run that learned (the recipe's: batch 2, s512 at 2e-4)
           "optim.grad_accum=4", "optim.lr=1e-4"] if args.gpu else [])
     eval_keys = ["dtype=bf16"] if args.gpu else []
     out = (ROOT / args.out).resolve()
