@@ -4,6 +4,7 @@
         --results learn_cpu_counterfactual [--results ...]            (runs that ran: agreement)
     python bench/batch_lean.py --train FILE --seed 7 --batch 4 --steps 200 --every 40 --json NAME
                                                                         (a run still to come: the prediction)
+    python bench/batch_lean.py --train FILE --results ... --prediction NAME   (that run, scored apart)
 
 For each validation of a ``bench/learn.py`` run (one stage, one rank, a plain shuffle): the share of
 hallucinated samples in the optimizer step just before it and in the last 3 steps, rebuilt with
@@ -13,7 +14,8 @@ longsft's own ``StepSampler`` from the run's seed and global batch, next to what
 The rule tested: after a step with more hallucinated than faithful samples the answers lean
 "hallucinated" (more say so than "faithful"), after one with fewer they lean "faithful"; a tied step predicts
 nothing. Writes bench/results/<json>.json: every validation's row and, for runs with results, how many
-predictions held.
+predictions held; with --prediction, the run it was made for is checked to rebuild the same predictions and
+its tally is given apart from the runs the rule was read off.
 """
 
 from __future__ import annotations
@@ -91,6 +93,32 @@ def rows(labels: list[int], seed: int, batch: int, steps: list[int], curve: list
     return out
 
 
+def load(ap: argparse.ArgumentParser, flag: str, name: str) -> dict:
+    """bench/results/<name>.json (a name, not a path)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not (RESULTS / f"{name}.json").is_file():
+        ap.error(f"{flag} {name}: no bench/results/{name}.json")
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def pre_register(runs: dict, prediction: dict) -> None:
+    """Mark the one run (in ``runs``) the prediction was made for, after checking it predicted the same thing.
+
+    Raises SystemExit when no run, or more than one, has the prediction's seed and batch, or when the rows
+    rebuilt now differ from the prediction's (other data, another sampler)."""
+    (key, pred), = prediction["runs"].items()  # a prediction file holds one run still to come
+    match = [n for n, r in runs.items() if "rows" in r and (r["seed"], r["batch"]) == (pred["seed"], pred["batch"])
+             and n != key]
+    if len(match) != 1:
+        raise SystemExit(f"bench/batch_lean.py: the prediction is for seed {pred['seed']}, batch {pred['batch']}; "
+                         f"{len(match)} --results runs have them (one is needed)")
+    now = [(r["step"], r["predicted_lean"]) for r in runs[match[0]]["rows"]]
+    then = [(r["step"], r["predicted_lean"]) for r in pred["rows"]]
+    if now != then:
+        raise SystemExit(f"bench/batch_lean.py: {match[0]}'s steps rebuilt now predict {now}, the prediction "
+                         f"said {then}: not the same data or sampler")
+    runs[match[0]]["pre_registered"] = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,6 +128,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, help="... its global batch")
     ap.add_argument("--steps", type=int, help="... its optimizer steps")
     ap.add_argument("--every", type=int, help="... its validation interval")
+    ap.add_argument("--prediction", help="a prediction made before a run trained (bench/results/NAME.json, written "
+                    "with --seed ...): the --results run with its seed and batch is scored against it, apart from "
+                    "the runs the rule was read off")
     ap.add_argument("--json", default="batch_lean", help="results name: bench/results/<name>.json")
     args = ap.parse_args()
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.json) or args.json.startswith("."):
@@ -115,9 +146,7 @@ def main() -> None:
             raise SystemExit(f"bench/batch_lean.py: {path}:{n}: no gold_score ({e})")
     runs = {}
     for name in args.results:
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not (RESULTS / f"{name}.json").is_file():
-            ap.error(f"--results {name}: no bench/results/{name}.json")
-        result = json.loads((RESULTS / f"{name}.json").read_text())
+        result = load(ap, "--results", name)
         seed, batch, steps = run_config(result, len(labels))
         runs[name] = {"seed": seed, "batch": batch,
                       "rows": rows(labels, seed, batch, steps, result["validation_curve"])}
@@ -129,6 +158,8 @@ def main() -> None:
                                                        "rows": rows(labels, args.seed, args.batch, steps, None)}
     if not runs:
         ap.error("give --results NAME or --seed/--batch/--steps/--every")
+    if args.prediction:
+        pre_register(runs, load(ap, "--prediction", args.prediction))
     tested = [r["held"] for run in runs.values() for r in run["rows"] if r.get("held") is not None]
     print(f"{'run':42} {'step':>5} {'last':>5} {'last 3':>6}  predicted     answers   log-odds  held")
     for name, run in runs.items():
@@ -139,6 +170,12 @@ def main() -> None:
     summary = {"predictions_tested": len(tested), "held": sum(tested)}
     if tested:
         print(f"the rule held {sum(tested)} of {len(tested)} times (ties predict nothing)")
+    for name, run in runs.items():
+        if run.get("pre_registered"):
+            held = [r["held"] for r in run["rows"] if r["held"] is not None]
+            summary["pre_registered"] = {"run": name, "prediction": args.prediction, "tested": len(held),
+                                         "held": sum(held)}
+            print(f"pre-registered ({args.prediction}): {name} held {sum(held)} of {len(held)}")
     write_result(args.json, {"benchmark": "batch_lean", "train": str(path), "rule": "lean follows the last "
                              "step's majority (the answers: more 'hallucinated' than 'faithful', or not); a tied step "
                              "predicts nothing", "runs": runs, **summary})
