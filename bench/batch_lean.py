@@ -100,22 +100,28 @@ def load(ap: argparse.ArgumentParser, flag: str, name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
-def pre_register(runs: dict, prediction: dict) -> None:
-    """Mark the one run (in ``runs``) the prediction was made for, after checking it predicted the same thing.
+def pre_register(runs: dict, ran: list[str], prediction: dict, name: str) -> None:
+    """Mark the one run of ``ran`` (the --results names in ``runs``) that ``prediction`` was made for, after
+    checking that its steps rebuilt now predict what the prediction said.
 
-    Raises SystemExit when no run, or more than one, has the prediction's seed and batch, or when the rows
-    rebuilt now differ from the prediction's (other data, another sampler)."""
-    (key, pred), = prediction["runs"].items()  # a prediction file holds one run still to come
-    match = [n for n, r in runs.items() if "rows" in r and (r["seed"], r["batch"]) == (pred["seed"], pred["batch"])
-             and n != key]
+    Raises SystemExit (one line) when ``prediction`` is not one run's prediction (``--seed`` ... output: rows
+    without outcomes), when no run or more than one has its seed and batch, or when the rebuilt rows differ
+    (other data, sampler, validation steps)."""
+    pruns = prediction.get("runs") if isinstance(prediction, dict) else None
+    rows_ = next(iter(pruns.values())).get("rows") if isinstance(pruns, dict) and len(pruns) == 1 else None
+    if not isinstance(rows_, list) or any("held" in r or "predicted_lean" not in r for r in rows_):
+        raise SystemExit(f"bench/batch_lean.py: --prediction {name}: not a prediction (one run's rows, written by "
+                         "--seed/--batch/--steps/--every before that run trained)")
+    pred = next(iter(pruns.values()))
+    match = [n for n in ran if (runs[n]["seed"], runs[n]["batch"]) == (pred["seed"], pred["batch"])]
     if len(match) != 1:
-        raise SystemExit(f"bench/batch_lean.py: the prediction is for seed {pred['seed']}, batch {pred['batch']}; "
-                         f"{len(match)} --results runs have them (one is needed)")
+        raise SystemExit(f"bench/batch_lean.py: --prediction {name} is for seed {pred['seed']}, batch "
+                         f"{pred['batch']}; {len(match)} --results runs have them (one is needed)")
     now = [(r["step"], r["predicted_lean"]) for r in runs[match[0]]["rows"]]
-    then = [(r["step"], r["predicted_lean"]) for r in pred["rows"]]
+    then = [(r["step"], r["predicted_lean"]) for r in rows_]
     if now != then:
-        raise SystemExit(f"bench/batch_lean.py: {match[0]}'s steps rebuilt now predict {now}, the prediction "
-                         f"said {then}: not the same data or sampler")
+        raise SystemExit(f"bench/batch_lean.py: {match[0]}'s steps rebuilt now predict {now}, --prediction {name} "
+                         f"said {then}: other data, sampler or validation steps")
     runs[match[0]]["pre_registered"] = True
 
 
@@ -159,8 +165,10 @@ def main() -> None:
     if not runs:
         ap.error("give --results NAME or --seed/--batch/--steps/--every")
     if args.prediction:
-        pre_register(runs, load(ap, "--prediction", args.prediction))
-    tested = [r["held"] for run in runs.values() for r in run["rows"] if r.get("held") is not None]
+        pre_register(runs, args.results, load(ap, "--prediction", args.prediction), args.prediction)
+    # the rule's record on the runs it was read off; a pre-registered run's is kept apart
+    tested = [r["held"] for run in runs.values() if not run.get("pre_registered") for r in run["rows"]
+              if r.get("held") is not None]
     print(f"{'run':42} {'step':>5} {'last':>5} {'last 3':>6}  predicted     answers   log-odds  held")
     for name, run in runs.items():
         for r in run["rows"]:
@@ -169,12 +177,14 @@ def main() -> None:
                   f"{str(r.get('decision_log_odds', '')):>8}  {r.get('held', '')}")
     summary = {"predictions_tested": len(tested), "held": sum(tested)}
     if tested:
-        print(f"the rule held {sum(tested)} of {len(tested)} times (ties predict nothing)")
+        print(f"the rule held {sum(tested)} of {len(tested)} times (ties predict nothing)"
+              + (" on the runs it was read off" if args.prediction else ""))
     for name, run in runs.items():
         if run.get("pre_registered"):
             held = [r["held"] for r in run["rows"] if r["held"] is not None]
             summary["pre_registered"] = {"run": name, "prediction": args.prediction, "tested": len(held),
-                                         "held": sum(held)}
+                                         "held": sum(held), "apart": "predictions_tested and held above count "
+                                         "the other runs (the rule was read off them); this run's tally is here"}
             print(f"pre-registered ({args.prediction}): {name} held {sum(held)} of {len(held)}")
     write_result(args.json, {"benchmark": "batch_lean", "train": str(path), "rule": "lean follows the last "
                              "step's majority (the answers: more 'hallucinated' than 'faithful', or not); a tied step "
