@@ -61,7 +61,7 @@ class DataConfig:
     packing: bool = False
     # Every optimizer step's samples hold the two classes (hallucinated: gold score <= 2; faithful) in the
     # data's proportion, as near as the global batch allows, instead of a plain shuffle's luck of the draw
-    # (docs/training.md: SmolLM2-135M learned the task with it at two seeds and not without; why is open).
+    # (docs/training.md: SmolLM2-135M learned the task with it at two seeds, far less without; why is open).
     # Off by default, as in the paper's 360-LLaMA-Factory runs. Needs packing off
     stratify: bool = False
     # Samples per language and bucket for ``source: sample``.
