@@ -132,7 +132,7 @@ def main() -> None:
     args.out = args.out or ("runs/learn_gpu" if args.gpu else "runs/learn")
     args.json = args.json or ("learn_gpu" if args.gpu else "learn")
     model = args.model
-    # stratified steps: the fifth CPU run learned with them where the same run without did not (docs/training.md)
+    # stratified steps: the CPU runs learned with them at two seeds, far less without (docs/training.md)
     train_keys = ([f"model.path={model}"] if model != MODEL else []) + ["data.stratify=true"] + \
         (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
           # a 135M model on a 140 GB GPU: no recompute; validation in batches of many items (the CUDA

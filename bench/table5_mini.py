@@ -198,8 +198,8 @@ def main() -> None:
         (out / "wall.json").write_text(json.dumps(wall))
         t0 = time.time()
 
-    # each step's classes stratified, as bench/learn.py trains (its fifth CPU run learned with them, the
-    # same run without did not: docs/training.md); an arm's classes need not be balanced
+    # each step's classes stratified, as bench/learn.py trains (its CPU runs learned with them at two seeds,
+    # far less without: docs/training.md); an arm's classes need not be balanced
     train_keys = [f"model.path={a.model}", STAGE, "logging.progress=false", "validation.max_new_tokens=48",
                   "data.stratify=true"]
     if a.gpu:  # and learn.py --gpu's batch (4) and learning rate (1e-4)
