@@ -25,6 +25,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from longsft.train.config.loader import parse_override
 from longsft.train.data.batching import StepSampler
@@ -34,6 +35,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import write_result
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def refuse(message: str) -> NoReturn:
+    """Bad input: one line on stderr, exit 2 (as argparse's own errors)."""
+    print(f"bench/batch_lean.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def shares(labels: list[int], seed: int, batch: int, steps: list[int], window: int) -> list[float]:
@@ -51,24 +58,26 @@ def predict(share: float) -> str | None:
     return None if share == 0.5 else "hallucinated" if share > 0.5 else "faithful"
 
 
-def run_config(result: dict, n_rows: int) -> tuple[int, int, list[int]]:
+def run_config(name: str, result: dict, n_rows: int) -> tuple[int, int, list[int]]:
     """(seed, global batch, validation steps) of a one-stage, one-rank learn.py results file whose training
     rows are the ``n_rows`` lines of --train in file order (no packing; nothing skipped, which the run's
     log line "N/N train samples (0 truncated, 0 skipped ...)" says and this does not check)."""
+    if not isinstance(result, dict) or result.get("benchmark") != "learn" or "validation_curve" not in result:
+        refuse(f"--results {name}: not a bench/learn.py results file (its 'benchmark' is 'learn')")
     if result.get("ranks") != 1:
-        raise SystemExit("bench/batch_lean.py: only one-rank runs (the rule rebuilds one rank's steps)")
+        refuse("only one-rank runs (the rule rebuilds one rank's steps)")
     stages = {v.get("stage") for v in result["validation_curve"]}
     if len(stages) != 1:
-        raise SystemExit(f"bench/batch_lean.py: validations of {len(stages)} stages; the rule reads one stage's")
+        refuse(f"validations of {len(stages)} stages; the rule reads one stage's")
     keys = dict(parse_override(o) for o in result["overrides"] if not o.startswith("stages="))  # the last wins
     if keys.get("data.stratify") is True or keys.get("data.packing") is True:
-        raise SystemExit("bench/batch_lean.py: the run stratified or packed its steps; the rule needs a plain "
+        refuse("the run stratified or packed its steps; the rule needs a plain "
                          "shuffle of one sample per row")
     if "optim.grad_accum" not in keys:  # the recipe's default is not read here: say it instead
-        raise SystemExit("bench/batch_lean.py: the run's overrides do not set optim.grad_accum")
+        refuse("the run's overrides do not set optim.grad_accum")
     trained = result.get("data", {}).get("train", {}).get("512")
     if trained != n_rows:
-        raise SystemExit(f"bench/batch_lean.py: the run made {trained} training samples, --train has {n_rows}")
+        refuse(f"the run made {trained} training samples, --train has {n_rows}")
     seed = int(keys.get("seed", 42))  # recipes/smollm2_135m.yaml's seed and micro-batch
     batch = int(keys["optim.grad_accum"]) * int(keys.get("optim.micro_batch_size", 1))
     return seed, batch, [v["step"] for v in result["validation_curve"]]
@@ -97,30 +106,33 @@ def load(ap: argparse.ArgumentParser, flag: str, name: str) -> dict:
     """bench/results/<name>.json (a name, not a path)."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not (RESULTS / f"{name}.json").is_file():
         ap.error(f"{flag} {name}: no bench/results/{name}.json")
-    return json.loads((RESULTS / f"{name}.json").read_text())
+    try:
+        return json.loads((RESULTS / f"{name}.json").read_bytes().decode())
+    except ValueError as e:  # not UTF-8, not JSON
+        ap.error(f"{flag} {name}: bench/results/{name}.json is not JSON ({e})")
 
 
 def pre_register(runs: dict, ran: list[str], prediction: dict, name: str) -> None:
     """Mark the one run of ``ran`` (the --results names in ``runs``) that ``prediction`` was made for, after
     checking that its steps rebuilt now predict what the prediction said.
 
-    Raises SystemExit (one line) when ``prediction`` is not one run's prediction (``--seed`` ... output: rows
+    Refuses (one line, exit 2) when ``prediction`` is not one run's prediction (``--seed`` ... output: rows
     without outcomes), when no run or more than one has its seed and batch, or when the rebuilt rows differ
     (other data, sampler, validation steps)."""
     pruns = prediction.get("runs") if isinstance(prediction, dict) else None
     rows_ = next(iter(pruns.values())).get("rows") if isinstance(pruns, dict) and len(pruns) == 1 else None
     if not isinstance(rows_, list) or any("held" in r or "predicted_lean" not in r for r in rows_):
-        raise SystemExit(f"bench/batch_lean.py: --prediction {name}: not a prediction (one run's rows, written by "
+        refuse(f"--prediction {name}: not a prediction (one run's rows, written by "
                          "--seed/--batch/--steps/--every before that run trained)")
     pred = next(iter(pruns.values()))
     match = [n for n in ran if (runs[n]["seed"], runs[n]["batch"]) == (pred["seed"], pred["batch"])]
     if len(match) != 1:
-        raise SystemExit(f"bench/batch_lean.py: --prediction {name} is for seed {pred['seed']}, batch "
+        refuse(f"--prediction {name} is for seed {pred['seed']}, batch "
                          f"{pred['batch']}; {len(match)} --results runs have them (one is needed)")
     now = [(r["step"], r["predicted_lean"]) for r in runs[match[0]]["rows"]]
     then = [(r["step"], r["predicted_lean"]) for r in rows_]
     if now != then:
-        raise SystemExit(f"bench/batch_lean.py: {match[0]}'s steps rebuilt now predict {now}, --prediction {name} "
+        refuse(f"{match[0]}'s steps rebuilt now predict {now}, --prediction {name} "
                          f"said {then}: other data, sampler or validation steps")
     runs[match[0]]["pre_registered"] = True
 
@@ -145,15 +157,15 @@ def main() -> None:
     if not path.is_file():
         ap.error(f"--train {path}: no such file")
     labels = []
-    for n, line in enumerate(open(path), 1):
+    for n, line in enumerate(open(path, "rb"), 1):
         try:
-            labels.append(gold_label(float(json.loads(line)["gold_score"])))
-        except (ValueError, KeyError, TypeError) as e:
-            raise SystemExit(f"bench/batch_lean.py: {path}:{n}: no gold_score ({e})")
+            labels.append(gold_label(float(json.loads(line.decode())["gold_score"])))
+        except (ValueError, KeyError, TypeError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            refuse(f"{path}:{n}: not a JSON line with a gold_score ({e})")
     runs = {}
     for name in args.results:
         result = load(ap, "--results", name)
-        seed, batch, steps = run_config(result, len(labels))
+        seed, batch, steps = run_config(name, result, len(labels))
         runs[name] = {"seed": seed, "batch": batch,
                       "rows": rows(labels, seed, batch, steps, result["validation_curve"])}
     if args.seed is not None:
