@@ -71,8 +71,7 @@ def run_config(name: str, result: dict, n_rows: int) -> tuple[int, int, list[int
         refuse(f"validations of {len(stages)} stages; the rule reads one stage's")
     keys = dict(parse_override(o) for o in result["overrides"] if not o.startswith("stages="))  # the last wins
     if keys.get("data.stratify") is True or keys.get("data.packing") is True:
-        refuse("the run stratified or packed its steps; the rule needs a plain "
-                         "shuffle of one sample per row")
+        refuse("the run stratified or packed its steps; the rule needs a plain shuffle of one sample per row")
     if "optim.grad_accum" not in keys:  # the recipe's default is not read here: say it instead
         refuse("the run's overrides do not set optim.grad_accum")
     trained = result.get("data", {}).get("train", {}).get("512")
@@ -120,20 +119,21 @@ def pre_register(runs: dict, ran: list[str], prediction: dict, name: str) -> Non
     without outcomes), when no run or more than one has its seed and batch, or when the rebuilt rows differ
     (other data, sampler, validation steps)."""
     pruns = prediction.get("runs") if isinstance(prediction, dict) else None
-    rows_ = next(iter(pruns.values())).get("rows") if isinstance(pruns, dict) and len(pruns) == 1 else None
-    if not isinstance(rows_, list) or any("held" in r or "predicted_lean" not in r for r in rows_):
-        refuse(f"--prediction {name}: not a prediction (one run's rows, written by "
-                         "--seed/--batch/--steps/--every before that run trained)")
-    pred = next(iter(pruns.values()))
+    pred = next(iter(pruns.values())) if isinstance(pruns, dict) and len(pruns) == 1 else None
+    if not (isinstance(pred, dict) and {"seed", "batch", "rows"} <= pred.keys() and isinstance(pred["rows"], list)
+            and all(isinstance(r, dict) and "held" not in r and {"step", "predicted_lean"} <= r.keys()
+                    for r in pred["rows"])):
+        refuse(f"--prediction {name}: not a prediction (one run's rows, written by --seed/--batch/--steps/--every "
+               "before that run trained)")
     match = [n for n in ran if (runs[n]["seed"], runs[n]["batch"]) == (pred["seed"], pred["batch"])]
     if len(match) != 1:
-        refuse(f"--prediction {name} is for seed {pred['seed']}, batch "
-                         f"{pred['batch']}; {len(match)} --results runs have them (one is needed)")
+        refuse(f"--prediction {name} is for seed {pred['seed']}, batch {pred['batch']}; {len(match)} --results "
+               "runs have them (one is needed)")
     now = [(r["step"], r["predicted_lean"]) for r in runs[match[0]]["rows"]]
-    then = [(r["step"], r["predicted_lean"]) for r in rows_]
+    then = [(r["step"], r["predicted_lean"]) for r in pred["rows"]]
     if now != then:
-        refuse(f"{match[0]}'s steps rebuilt now predict {now}, --prediction {name} "
-                         f"said {then}: other data, sampler or validation steps")
+        refuse(f"{match[0]}'s steps rebuilt now predict {now}, --prediction {name} said {then}: other data, "
+               "sampler or validation steps")
     runs[match[0]]["pre_registered"] = True
 
 
