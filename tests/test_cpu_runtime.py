@@ -1,4 +1,5 @@
-"""CPU ranks' process settings: huge pages for the large tensors glibc maps (GLIBC_TUNABLES)."""
+"""CPU ranks' process settings: huge pages for the large tensors glibc maps (GLIBC_TUNABLES); the CPU's
+bf16 support, read from its flags."""
 
 import os
 import platform
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from longsft.train.common.cpu_features import bf16_hint, cpu_flags, native_bf16
 from longsft.train.parallel.distributed import HUGE_PAGES, huge_pages_hint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,3 +63,31 @@ def test_launchers_set_huge_pages():
     assert f"export GLIBC_TUNABLES ?= {HUGE_PAGES}\n" in (ROOT / "Makefile").read_text()
     sbatch = (ROOT / "launch" / "slurm" / "curriculum.sbatch").read_text()
     assert f"export GLIBC_TUNABLES=${{GLIBC_TUNABLES:-{HUGE_PAGES}}}" in sbatch
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma
+processor\t: 1
+flags\t\t: fpu sse2 avx avx2 fma avx512_bf16
+"""
+
+
+def test_cpu_flags_and_the_bf16_hint(tmp_path):
+    """The first processor's flags; a bf16 model on a CPU without bf16 dot products is told to use fp32
+    (naming the caller's key), and nothing is said for fp32, a GPU, native bf16 or unknown flags."""
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPUINFO)
+    avx2 = cpu_flags(info)
+    assert avx2 == {"fpu", "sse2", "avx", "avx2", "fma"} and native_bf16(avx2) is False
+    assert cpu_flags(tmp_path / "missing") is None and native_bf16(None) is None
+    hint = bf16_hint(True, False, avx2, "model.dtype")
+    assert hint is not None and "model.dtype=fp32 is faster" in hint and "avx512_bf16" in hint
+    assert "dtype=fp32" in bf16_hint(True, False, avx2, "dtype")
+    amx = avx2 | {"amx_bf16"}
+    assert native_bf16(amx) and bf16_hint(True, False, amx, "dtype") is None
+    assert bf16_hint(False, False, avx2, "dtype") is None and bf16_hint(True, True, avx2, "dtype") is None
+    assert bf16_hint(True, False, None, "dtype") is None
+    real = cpu_flags()
+    assert real is None or "sse2" in real or platform.machine() != "x86_64"

@@ -209,6 +209,22 @@ def test_hf_backend_loads_the_recipe_rope_scaling(tiny_model_dir, tmp_path):
     assert backend.generate("Hello").gen_tokens > 0
 
 
+def test_hf_backend_says_when_bf16_is_slow_on_this_cpu(tiny_model_dir, capsys):
+    """`longsft eval`/`serve` with dtype=bf16 on a CPU without bf16 dot products say fp32 is faster
+    there; on one with them, or in fp32, nothing is said."""
+    import torch
+
+    from longsft.eval.backends import HFBackend
+    from longsft.train.common.cpu_features import cpu_flags, native_bf16
+
+    cfg = model_config(EvalConfig(model=str(tiny_model_dir("qwen3")), data="d", recipe="tiny", tokenizer="qwen"))
+    slow = native_bf16(cpu_flags()) is False and not torch.cuda.is_available()
+    assert HFBackend(cfg, 4, dtype="bf16").model.dtype == torch.bfloat16
+    assert ("dtype=fp32 is faster on this machine" in capsys.readouterr().err) == slow
+    HFBackend(cfg, 4, dtype="fp32")
+    assert "dtype=fp32 is faster" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("recipe, model_json", [("qwen3_8b", "Qwen3-8B.json"),
                                                 ("llama3_1_8b", "Llama-3.1-8B-Instruct.json")])
 def test_vllm_rope_override_keeps_the_models_rope_theta(tmp_path, recipe, model_json):

@@ -11,6 +11,9 @@ import os
 import sys
 import time
 
+import torch
+
+from longsft.train.common.cpu_features import bf16_hint, cpu_flags
 from longsft.train.common.errors import ConfigError, same_on_every_rank
 from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, say
 from longsft.train.config.checks import validate
@@ -47,6 +50,9 @@ def _run(cfg: RunConfig, d: distributed.Dist, kernel: str) -> dict:
     """The curriculum on initialised process groups: data checked, run directory locked, stages run.
     ``kernel``: the attention block kernel's name, for the log."""
     if d.is_main and (hint := distributed.huge_pages_hint()):
+        say(hint)
+    if d.is_main and (hint := bf16_hint(cfg.model.dtype == "bf16", torch.cuda.is_available(), cpu_flags(),
+                                        "model.dtype")):
         say(hint)
     if d.is_main:
         say(f"attention: parallel.sp_backend={cfg.parallel.sp_backend} over sp_size={cfg.parallel.sp_size}; "
