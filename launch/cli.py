@@ -70,6 +70,22 @@ def _say_error(message: str, e: BaseException, started: bool) -> None:
         import socket
 
         print(f"longsft: rank {rank} ({socket.gethostname()}): {message}", file=sys.stderr, flush=True)
+    else:  # rank 0 (or this node's first rank) says it: let it, before this rank's exit ends the job
+        _wait_for_rank_zero()
+
+
+RANK_ZERO_GRACE_S = 20.0
+
+
+def _wait_for_rank_zero(grace_s: float = RANK_ZERO_GRACE_S) -> None:
+    """Hold a silent rank's exit for up to ``grace_s``. torchrun (and srun --kill-on-bad-exit) ends every
+    other rank with SIGTERM once one rank exits, so a rank that fails first would cut off the rank that
+    says the error (seen in CI: rank 0, behind rank 1, printed nothing). The speaker's own exit ends this
+    wait the same way, so the wait costs nothing when it fails alike; at most ``grace_s`` otherwise."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import time
+
+        time.sleep(grace_s)
 
 
 def _os_message(e: BaseException) -> str | None:

@@ -60,6 +60,13 @@ def test_another_rank_says_its_own_error(capsys, monkeypatch, tmp_path):
     assert code == 2 and "optim.lrr" in err
 
 
+def test_rank_zero_says_an_error_it_reaches_last():
+    """torchrun ends the other ranks when one exits: a rank that fails first waits for rank 0 to say the
+    error they share (CI once lost it: rank 0, a moment behind, was ended before it spoke)."""
+    r = torchrun([str(ROOT / "tests" / "dist" / "late_rank_zero.py")], nproc=2, check=False, timeout=120)
+    assert r.returncode != 0 and r.stderr.count("longsft: late rank 0 says this") == 1, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("key", ["sequence_parallel_size", "data_parallel_size"])
 def test_deepspeed_json_may_not_set_parallel_sizes(tmp_path, key):
     from longsft.train.config.deepspeed import build_ds_config
