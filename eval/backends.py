@@ -11,7 +11,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from longsft.train.common.cpu_features import bf16_hint, cpu_flags
+from longsft.train.common.cpu_features import bf16_hint, fast_bf16
 from longsft.train.common.errors import ConfigError
 from longsft.train.common.io import say, weights_source
 from longsft.train.common.llm import Endpoint, EndpointError
@@ -67,7 +67,7 @@ class HFBackend:
             self.model.generation_config.use_cache = True
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
-        if hint := bf16_hint(self.model.dtype == torch.bfloat16, self.device.type == "cuda", cpu_flags(), "dtype"):
+        if hint := bf16_hint(self.model.dtype == torch.bfloat16, self.device.type == "cuda", fast_bf16(), "dtype"):
             say(hint)
         self.max_new_tokens, self.enable_thinking = max_new_tokens, enable_thinking
         self._tok_lock = threading.Lock()  # tokenizers are not thread-safe (longsft serve's workers share one)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from longsft.train.common.cpu_features import bf16_hint, cpu_flags, native_bf16
+from longsft.train.common.cpu_features import bf16_dot, bf16_hint, cpu_fields, fast_bf16
 from longsft.train.parallel.distributed import HUGE_PAGES, huge_pages_hint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,29 +65,41 @@ def test_launchers_set_huge_pages():
     assert f"export GLIBC_TUNABLES=${{GLIBC_TUNABLES:-{HUGE_PAGES}}}" in sbatch
 
 
-CPUINFO = """processor\t: 0
+X86 = """processor\t: 0
 vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model\t\t: 1
 model name\t: AMD EPYC
 flags\t\t: fpu sse2 avx avx2 fma
+
 processor\t: 1
 flags\t\t: fpu sse2 avx avx2 fma avx512_bf16
 """
+ARM = "processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\nCPU implementer\t: 0x41\n"
 
 
-def test_cpu_flags_and_the_bf16_hint(tmp_path):
-    """The first processor's flags; a bf16 model on a CPU without bf16 dot products is told to use fp32
-    (naming the caller's key), and nothing is said for fp32, a GPU, native bf16 or unknown flags."""
-    info = tmp_path / "cpuinfo"
-    info.write_text(CPUINFO)
-    avx2 = cpu_flags(info)
-    assert avx2 == {"fpu", "sse2", "avx", "avx2", "fma"} and native_bf16(avx2) is False
-    assert cpu_flags(tmp_path / "missing") is None and native_bf16(None) is None
-    hint = bf16_hint(True, False, avx2, "model.dtype")
-    assert hint is not None and "model.dtype=fp32 is faster" in hint and "avx512_bf16" in hint
-    assert "dtype=fp32" in bf16_hint(True, False, avx2, "dtype")
-    amx = avx2 | {"amx_bf16"}
-    assert native_bf16(amx) and bf16_hint(True, False, amx, "dtype") is None
-    assert bf16_hint(False, False, avx2, "dtype") is None and bf16_hint(True, True, avx2, "dtype") is None
-    assert bf16_hint(True, False, None, "dtype") is None
-    real = cpu_flags()
-    assert real is None or "sse2" in real or platform.machine() != "x86_64"
+def test_cpu_fields_and_bf16_instructions(tmp_path):
+    """The first processor's fields, x86 ``flags`` and Arm ``Features`` read for bf16 dot products."""
+    (tmp_path / "x86").write_text(X86)
+    (tmp_path / "arm").write_text(ARM)
+    (tmp_path / "amx").write_text(X86.replace("avx2 fma\n", "avx2 fma amx_bf16\n", 1))
+    x86 = cpu_fields(tmp_path / "x86")
+    assert (x86["model name"], x86["cpu family"], x86["model"]) == ("AMD EPYC", "25", "1")
+    assert x86["flags"] == "fpu sse2 avx avx2 fma" and bf16_dot(x86) is False  # processor 1's flags not read
+    assert bf16_dot(cpu_fields(tmp_path / "amx")) is True and bf16_dot(cpu_fields(tmp_path / "arm")) is True
+    assert cpu_fields(tmp_path / "missing") == {} and bf16_dot({}) is None
+    if platform.system() == "Linux":
+        assert bf16_dot(cpu_fields()) is not None  # this machine's own flags line is found
+
+
+def test_bf16_hint_cases():
+    """A bf16 model where PyTorch's bf16 matmuls are slow is told to use fp32 (naming the caller's key);
+    nothing is said for fp32, a GPU, a fast path or an unknown one. PyTorch's own test answers here."""
+    hint = bf16_hint(True, False, False, "model.dtype")
+    assert hint is not None and "model.dtype=fp32 is faster" in hint
+    assert "dtype=fp32 is faster" in bf16_hint(True, False, False, "dtype")
+    for args in ((False, False, False), (True, True, False), (True, False, True), (True, False, None)):
+        assert bf16_hint(*args, "dtype") is None, args
+    assert fast_bf16() in (True, False)
+    if platform.machine() == "x86_64" and "avx512bw" in cpu_fields().get("flags", "").split():
+        assert fast_bf16() is True  # oneDNN takes bf16 on AVX-512 CPUs

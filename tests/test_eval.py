@@ -209,19 +209,21 @@ def test_hf_backend_loads_the_recipe_rope_scaling(tiny_model_dir, tmp_path):
     assert backend.generate("Hello").gen_tokens > 0
 
 
-def test_hf_backend_says_when_bf16_is_slow_on_this_cpu(tiny_model_dir, capsys):
-    """`longsft eval`/`serve` with dtype=bf16 on a CPU without bf16 dot products say fp32 is faster
-    there; on one with them, or in fp32, nothing is said."""
+def test_hf_backend_says_when_bf16_is_slow_on_this_cpu(tiny_model_dir, capsys, monkeypatch):
+    """`longsft eval`/`serve` with dtype=bf16 where PyTorch's CPU bf16 matmuls are slow say fp32 is faster
+    there (the test answered both ways); with a fast path, or in fp32, nothing is said."""
     import torch
 
-    from longsft.eval.backends import HFBackend
-    from longsft.train.common.cpu_features import cpu_flags, native_bf16
+    from longsft.eval import backends
 
     cfg = model_config(EvalConfig(model=str(tiny_model_dir("qwen3")), data="d", recipe="tiny", tokenizer="qwen"))
-    slow = native_bf16(cpu_flags()) is False and not torch.cuda.is_available()
-    assert HFBackend(cfg, 4, dtype="bf16").model.dtype == torch.bfloat16
-    assert ("dtype=fp32 is faster on this machine" in capsys.readouterr().err) == slow
-    HFBackend(cfg, 4, dtype="fp32")
+    for fast in (False, True):
+        monkeypatch.setattr(backends, "fast_bf16", lambda fast=fast: fast)
+        assert backends.HFBackend(cfg, 4, dtype="bf16").model.dtype == torch.bfloat16
+        said = "dtype=fp32 is faster on this machine" in capsys.readouterr().err
+        assert said == (not fast and not torch.cuda.is_available()), fast
+    monkeypatch.setattr(backends, "fast_bf16", lambda: False)
+    backends.HFBackend(cfg, 4, dtype="fp32")
     assert "dtype=fp32 is faster" not in capsys.readouterr().err
 
 

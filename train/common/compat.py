@@ -14,6 +14,8 @@ otherwise raises :class:`UnsupportedVersion` naming the installed version and th
 - :func:`set_deepspeed_world_group`: DeepSpeed's clone of the world group, made by longsft with its timeout;
 - :func:`release_deepspeed_groups`: DeepSpeed's references to destroyed groups, dropped;
 - :func:`import_bare`: a ring-flash-attn module imported without the package's ``__init__``.
+- :func:`mkldnn_bf16`: PyTorch's own test of whether oneDNN takes bf16 matmuls on this CPU (returns
+  None, not an error, where it is missing).
 """
 
 from __future__ import annotations
@@ -159,6 +161,18 @@ def in_backward() -> bool:
     except AttributeError:
         raise unsupported("torch", "torch._C._current_graph_task_id is missing (model.keep_attention needs it)") \
             from None
+
+
+def mkldnn_bf16() -> bool | None:
+    """Whether PyTorch sends this CPU's bf16 matmuls to oneDNN (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
+    avx512bw/vl/dq or avx_ne_convert; native dot products with avx512_bf16 or AMX). None where the op is
+    missing: its one caller is a hint, not worth failing a run for."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # -------------------------------------------------------------------------------------- DeepSpeed

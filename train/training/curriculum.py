@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from longsft.train.common.cpu_features import bf16_hint, cpu_flags
+from longsft.train.common.cpu_features import bf16_hint, fast_bf16
 from longsft.train.common.errors import ConfigError, same_on_every_rank
 from longsft.train.common.io import atomic_write_json, atomic_write_text, read_text, say
 from longsft.train.config.checks import validate
@@ -51,7 +51,7 @@ def _run(cfg: RunConfig, d: distributed.Dist, kernel: str) -> dict:
     ``kernel``: the attention block kernel's name, for the log."""
     if d.is_main and (hint := distributed.huge_pages_hint()):
         say(hint)
-    if d.is_main and (hint := bf16_hint(cfg.model.dtype == "bf16", torch.cuda.is_available(), cpu_flags(),
+    if d.is_main and (hint := bf16_hint(cfg.model.dtype == "bf16", torch.cuda.is_available(), fast_bf16(),
                                         "model.dtype")):
         say(hint)
     if d.is_main:
