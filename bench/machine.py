@@ -15,11 +15,18 @@ def describe() -> dict:
     except ImportError:
         ds_version = None
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    from longsft.train.common.cpu_features import bf16_dot, cpu_fields, fast_bf16
+
+    fields = cpu_fields()
     mem = next((int(line.split()[1]) // 2**20 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
-    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem, "python": platform.python_version(),
-            "torch": torch.__version__, "deepspeed": ds_version, "transformers": transformers.__version__}
+    info = {"cpu": fields.get("model name") or platform.processor(), "cores": os.cpu_count(), "memory_gib": mem,
+            "python": platform.python_version(), "torch": torch.__version__, "deepspeed": ds_version,
+            "transformers": transformers.__version__,
+            # the model name alone ("AMD EPYC") does not tell the CPUs apart whose bf16 figures differ many
+            # times (bench/cpu_bf16.py): family/model, PyTorch's vector ISA, its bf16 path, bf16 instructions
+            "cpu_family_model": f"{fields.get('cpu family')}/{fields.get('model')}" if "cpu family" in fields else None,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "onednn_bf16": fast_bf16(),
+            "bf16_dot_instructions": bf16_dot(fields)}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     if os.environ.get("GLIBC_TUNABLES"):  # huge pages for CPU tensors (the Makefile's default) change CPU figures
