@@ -3,6 +3,7 @@ evaluated on one held-out test, through the commands users run.
 
     python bench/table5_mini.py [--gpu] [--model FILE] [--out DIR]     (on the GPU machine: bash bench/gpu_learn.sh table5)
     python bench/table5_mini.py --smoke                                (CPU, a few articles: checks the path)
+    python bench/table5_mini.py [--judge-model CKPT]                   (CPU, 44 articles, served in fp32)
 
 Phases, each skipped when its output is there (a rerun resumes where it stopped):
 
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -122,16 +124,38 @@ class Served:
         self.file.close()
 
 
+def refuse(message: str) -> NoReturn:
+    """A size that cannot be met: one line on stderr, exit 2 (as argparse's own errors)."""
+    print(f"bench/table5_mini.py: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def fits(human: Path, n: dict) -> None:
-    """Exit before the MMA phase (the long one) when an arm size cannot be met: ``mma_only`` holds at most two
-    samples (human, MMA) per training article, the articles not held out for validation and test."""
+    """Exit before the MMA phase (the long one) when an arm size cannot be met: ``mma_only`` holds one human
+    sample per training article (the articles not held out for validation and test) and at most one MMA
+    sample more, so a size up to the training articles always fits, one up to twice them only if the judges
+    score enough MMA summaries, a larger one never."""
     articles = len({json.loads(x)["article"] for x in human.read_text().splitlines() if x.strip()})
     train = max(articles - n["val"] - n["test"], 0)
     largest = max((int(x) for x in n["sizes"].split(",") if x != "all"), default=0)
     if train < 1 or largest > 2 * train:
-        sys.exit(f"bench/table5_mini.py: {human}: {articles} articles with a faithful summary, {n['val']} + "
+        refuse(f"{human}: {articles} articles with a faithful summary, {n['val']} + "
                  f"{n['test']} held out: {train} to train on, too few for arm size {largest} (at most {2 * train}); "
                  "sample more articles or lower the sizes")
+    if largest > train:
+        print(f"bench/table5_mini.py: arm size {largest} > {train} training articles: it fits only if the judges "
+              f"score at least {largest - train} MMA summaries of them", file=sys.stderr)
+
+
+def same_sizes(out: Path, n: dict) -> None:
+    """Record ``n`` in ``out`` on the first run; exit if a rerun asks for other sizes (its data, arms and
+    answers were made for the recorded ones)."""
+    path = out / "sizes.json"
+    if not path.exists():
+        path.write_text(json.dumps(n, sort_keys=True))
+    elif json.loads(path.read_text()) != n:
+        refuse(f"{out} was made with sizes {path.read_text()}, not "
+                 f"{json.dumps(n, sort_keys=True)}; use another --out or remove it")
 
 
 def fixed_port(path: Path) -> int:
@@ -201,6 +225,7 @@ def main() -> None:
     out = (ROOT / (a.out or f"runs/table5_mini{'' if mode == 'cpu' else '_' + mode}")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
+    same_sizes(out, n)
     wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
     t0 = time.time()
 
@@ -219,7 +244,10 @@ def main() -> None:
                        "model.gradient_checkpointing=false", "validation.batch_tokens=65536",
                        "optim.grad_accum=4", "optim.lr=1e-4"]
     nproc = 1 if a.gpu else 2
-    serve_keys = [*(["dtype=bf16"] if a.gpu else []), f"batch={n['batch']}"]
+    # fp32 on a CPU: a judge checkpoint trained in bf16 would load as bf16, which many CPUs run many times
+    # slower (bench/cpu_bf16.py; the smoke results before this line served it in bf16)
+    dtype = "dtype=bf16" if a.gpu else "dtype=fp32"
+    serve_keys = [dtype, f"batch={n['batch']}"]
     human, erhg, mma, arms = out / "human.jsonl", out / "erhg.jsonl", out / "mma.jsonl", out / "arms"
     if not human.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",
@@ -271,7 +299,7 @@ def main() -> None:
             "counterfactual", "--tokenizer", a.model], log)
         done("transfer_data")
     tests = {"eval": arms / "heldout" / "512" / "test.jsonl", "eval_transfer": transfer}
-    eval_keys = ["max_new_tokens=48", "progress=false", *(["dtype=bf16"] if a.gpu else [])]
+    eval_keys = ["max_new_tokens=48", "progress=false", dtype]
     models = {"base": a.model, **{name: f"{run_dir}/stages/s512/best" for _, name, run_dir in tasks}}
     for folder, test in tests.items():
         for name, model in models.items():
