@@ -55,7 +55,8 @@ def _qkv(op: str, q, k, v, dtypes, gqa: bool) -> None:
 def _cudnn_qkv(op: str, q, k, v) -> None:
     _qkv(op, q, k, v, FLASH_DTYPES, gqa=True)
     _require(q.shape[-1] % 8 == 0, op, f"head dim {q.shape[-1]} must be a multiple of 8")
-    _require(k.shape[2] != 1 and q.shape[2] > 0, op, "cuDNN takes no key sequence of length 1 and no empty query")
+    # sdp_utils.cpp check_cudnn_tensor_shapes: "cudnn SDPA does not support sequence length 1" (s_q or s_k)
+    _require(k.shape[2] != 1 and q.shape[2] > 1, op, "cuDNN takes no sequence of length 1 and no empty query")
 
 
 class CudaAttentionContract(TorchDispatchMode):

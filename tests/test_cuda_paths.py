@@ -5,7 +5,9 @@ kernels' own argument rules, tests/cuda_contract.py), for every block shape the 
 on 1, 2 and 4 ranks, in bf16, fp16 and fp32; the contract itself is shown to reject the calls that
 crashed before (an empty ``cum_seq`` tensor, fp32 into flash, an unpadded efficient-kernel lse).
 The same ring runs on CPU on one rank without a process group (as ``bench/gpu_attention.py`` calls it)
-against PyTorch's SDPA.
+against PyTorch's SDPA. Packed documents, which the CUDA kernels take as one dense piece per document
+of a block (``train/parallel/doc_blocks.py``), get the same three checks: every block's pieces on meta
+tensors under the contract, and the piece path on CPU against masked SDPA.
 """
 
 import dataclasses
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from cuda_contract import ContractViolation, CudaAttentionContract
 
 from longsft.train.parallel.attention import SPAttention
+from longsft.train.parallel.doc_blocks import Piece, block_pieces, piece_kernel, pieces_bwd, pieces_fwd
 from longsft.train.parallel.kernels import (
     CPU_KERNEL,
     CUDNN_KERNEL,
@@ -31,7 +34,7 @@ from longsft.train.parallel.kernels import (
     choose,
     merge_,
 )
-from longsft.train.parallel.ring import block_plan, zigzag_ring_attention
+from longsft.train.parallel.ring import block_plan, block_slices, zigzag_ring_attention
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -194,3 +197,88 @@ def test_no_attention_mask_is_built_while_sequence_parallel():
     assert torch.equal(entry.mask(**kw), sdpa_mask(**kw))
     with entry.active(doc_ids=torch.zeros(1, 8, dtype=torch.long)):
         assert entry.mask(**kw) is None
+
+
+def _doc_ids(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+
+@pytest.mark.parametrize("dtype,kernel", KERNEL_CASES, ids=KERNEL_IDS)
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_every_packed_ring_block_makes_valid_cuda_calls(dtype, kernel, size):
+    """Packed documents (one-token ones, several per chunk, one across chunks): each rank's block at each
+    ring step as its dense pieces, forward and backward, on meta tensors under the CUDA kernels' rules;
+    cuDNN gets only pieces as large as their block (few shapes: few cuDNN graphs), flash the rest."""
+    from longsft.train.parallel.layout import zigzag_index
+
+    c, h, hk, d = 12, 8, 2, 64
+    S = 2 * size * c
+    whole = torch.stack([_doc_ids([1, 2, 1, 9, S - 13]), _doc_ids([S - 1, 1])])  # [2, S]
+    groups = 1 if kernel.gqa else h // hk
+    calls, pieces_seen, single, whole_blocks = 0, 0, 0, 0
+    for rank in range(size):
+        ids = [whole[:, zigzag_index(S, size, r)].tolist() for r in range(size)]
+        for step in range(size):
+            qs, ks, causal = block_slices(rank, size, step, c)
+            pieces = block_pieces([row[qs] for row in ids[rank]], [row[ks] for row in ids[(rank - step) % size]],
+                                  causal)
+            q = _meta((2, h, len(ids[rank][0][qs]), d), dtype)
+            keys = len(ids[0][0][ks])
+            kk, vv = _meta((2, hk * groups, keys, d), dtype), _meta((2, hk * groups, keys, d), dtype)
+            with CudaAttentionContract() as contract:
+                out, lse = pieces_fwd(kernel, q, kk, vv, d ** -0.5, pieces)
+                dq, dk, dv = pieces_bwd(kernel, torch.empty_like(out), q, kk, vv, out, lse, d ** -0.5, pieces)
+            assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+            assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == vv.shape
+            calls += sum(contract.calls.values())
+            pieces_seen += len(pieces)
+            single += sum(min(p.q1 - p.q0, p.k1 - p.k0) == 1 for p in pieces)
+            as_large = sum((p.q1 - p.q0, p.k1 - p.k0) == (q.shape[2], keys) for p in pieces)
+            whole_blocks += as_large
+            if kernel is CUDNN_KERNEL:
+                cudnn = sum(n for op, n in contract.calls.items() if "cudnn" in op)
+                assert cudnn == 2 * as_large, contract.calls
+    assert calls == 2 * pieces_seen and single > 0 and (whole_blocks > 0 or size == 1)
+
+
+def test_cudnn_gets_only_whole_block_pieces():
+    whole, part, one = Piece(0, 0, 8, 0, 16, False), Piece(0, 0, 8, 3, 16, False), Piece(0, 0, 1, 0, 1, True)
+    assert piece_kernel(CUDNN_KERNEL, whole, (8, 16)) is CUDNN_KERNEL
+    assert piece_kernel(CUDNN_KERNEL, part, (8, 16)) is FLASH_KERNEL
+    assert piece_kernel(CUDNN_KERNEL, one, (1, 1)) is FLASH_KERNEL  # SDPA never sends cuDNN sequence length 1
+    assert piece_kernel(FLASH_KERNEL, part, (8, 16)) is FLASH_KERNEL
+    assert piece_kernel(EFFICIENT_KERNEL, part, (8, 16)) is EFFICIENT_KERNEL
+
+
+def test_block_pieces_cut_documents():
+    """A document is one run of rows and one of columns: a causal square on the diagonal, a whole
+    rectangle elsewhere, nothing for documents on one side only; a document in two runs is an error."""
+    assert block_pieces([[0, 0, 1, 1, 1]], [[0, 0, 1, 1, 1]], True) == (Piece(0, 0, 2, 0, 2, True),
+                                                                       Piece(0, 2, 5, 2, 5, True))
+    assert block_pieces([[3, 3, 4], [7, 7, 7]], [[2, 3, 3, 3], [6, 6, 6, 6]], False) == (Piece(0, 0, 2, 1, 4, False),)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        block_pieces([[0, 1, 0]], [[0, 1, 0]], True)
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_ring_without_masks_equals_masked_sdpa_on_cpu(dtype, gqa):
+    """The piece path (the CPU kernel told it takes no mask, as the CUDA kernels) on one rank, two rows of
+    different documents: forward and backward equal SDPA with the documents' mask; the masked path too."""
+    g = torch.Generator().manual_seed(1)
+    s = 40
+    docs = torch.stack([_doc_ids([1, 7, 1, 20, 11]), _doc_ids([s])])
+    q, k, v = (torch.randn(2, n, s, 16, generator=g) for n in (4, 2, 2))
+    dout = torch.randn(2, 4, s, 16, generator=g)
+    allowed = (docs[:, None, :, None] == docs[:, None, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, attn_mask=allowed, enable_gqa=True).backward(dout)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for kernel in (dataclasses.replace(CPU_KERNEL, gqa=gqa, masks=False), CPU_KERNEL):
+        got = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
+        out = zigzag_ring_attention(*got, docs=docs, kernel=kernel)
+        out.backward(dout.to(dtype))
+        assert ((out.float() - want).norm() / want.norm()).item() < tol, kernel
+        for a, b in zip(got, ref):
+            assert ((a.grad.float() - b.grad).norm() / b.grad.norm()).item() < tol, kernel

@@ -80,8 +80,8 @@ def test_ring_attention_equals_full_attention(tmp_path, nproc):
     torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc, env=env)
     cases = json.loads(out.read_text())
     # (one rank: the ring's single block is what keep_attention uses there; ring-flash-attn is sp > 1 only)
-    assert {c["backend"] for c in cases} == {"torch", "ulysses", "ring_flash_attn"} - ({"ring_flash_attn"} if nproc == 1
-                                                                                         else set())
+    assert {c["backend"] for c in cases} == {"torch", "torch_pieces", "ulysses", "ring_flash_attn"} - (
+        {"ring_flash_attn"} if nproc == 1 else set())
     assert {c["packed"] for c in cases} == {True, False}
     for case in cases:
         tol = 1e-5 if case["dtype"] == "torch.float32" else 2e-2  # bf16: rounding of inputs/outputs

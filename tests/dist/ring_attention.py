@@ -3,6 +3,8 @@
     torchrun --nproc_per_node=N tests/dist/ring_attention.py OUT.json
 
 Writes the max relative error of the output and of dQ/dK/dV per (backend, dtype, seq_len, heads) case.
+``torch_pieces``: the torch ring with the CPU kernel running packed documents as the CUDA kernels do (a
+dense piece per document of a block, no mask: ``train/parallel/doc_blocks.py``); packed cases only.
 Unpacked fp32 cases also run as a checkpointed layer with and without ``model.keep_attention``
 (``kept``), counting the forward kernel calls of the forward plus the recompute.
 """
@@ -42,6 +44,7 @@ def main(out_path: str) -> None:
     from longsft.train.parallel import distributed
     from longsft.train.parallel.attention import BACKENDS, attend_layer
     from longsft.train.parallel.context import Documents, Forward
+    from longsft.train.parallel.kernels import CPU_KERNEL
     from longsft.train.parallel.ring_flash import ring_flash_attention
     from longsft.train.parallel.ulysses import ulysses_attention
     from longsft.train.parallel.layout import zigzag_index
@@ -56,16 +59,22 @@ def main(out_path: str) -> None:
              (torch.bfloat16, 32 * n, 4, 2, None), (torch.bfloat16, 8 * n, 4, 4, None),
              # packed documents of uneven lengths, boundaries anywhere relative to the zigzag chunks
              (torch.float32, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]), (torch.bfloat16, 32 * n, 4, 2, [3, 32 * n - 3]),
-             (torch.bfloat16, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17])]
-    backends = ["torch", "ulysses"]
+             (torch.bfloat16, 24 * n, 4, 2, [5, 11, 1, 24 * n - 17]),
+             # one-token documents, several documents in one zigzag chunk
+             (torch.float32, 16 * n, 4, 2, [1, 1, 2, 3, 1, 16 * n - 8])]
+    backends = ["torch", "torch_pieces", "ulysses"]
     if os.environ.get("LONGSFT_TEST_RING_FLASH_ATTN") and n > 1:  # tests/flash_attn_cpu on PYTHONPATH
         backends.append("ring_flash_attn")
     sp = {b: dataclasses.replace(d.sp, backend=b) for b in backends}  # the SP context, passed explicitly
-    attention = {"torch": lambda q, k, v, docs: zigzag_ring_attention(q, k, v, None, docs and docs.ids, sp=sp["torch"]),
+    unmasked = dataclasses.replace(CPU_KERNEL, name="cpu_pieces", masks=False)
+    attention = {"torch": lambda q, k, v, docs: zigzag_ring_attention(q, k, v, None, docs, sp=sp["torch"]),
+                 "torch_pieces": lambda q, k, v, docs: zigzag_ring_attention(q, k, v, None, docs, unmasked,
+                                                                             sp=sp["torch"]),
                  "ulysses": lambda q, k, v, docs: ulysses_attention(q, k, v, None, docs, sp=sp["ulysses"]),
                  "ring_flash_attn": lambda q, k, v, docs: ring_flash_attention(sp["ring_flash_attn"], q, k, v, None, docs)}
     for backend, (dtype, seq, heads, kv_heads, docs) in [(b, c) for b in backends for c in cases]:
-        if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and dtype != torch.bfloat16):
+        if (backend == "ulysses" and heads % n) or (backend == "ring_flash_attn" and dtype != torch.bfloat16) or \
+                (backend == "torch_pieces" and not docs):
             continue  # ring_flash_attn: flash-attn's dtypes
         attend = attention[backend]
         g = torch.Generator().manual_seed(seq * 31 + heads)

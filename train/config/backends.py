@@ -19,15 +19,8 @@ def check_heads(backend: str, sp_size: int, num_heads: int, num_kv_heads: int) -
                           f"{num_heads}, or parallel.sp_backend=torch (the ring has no such limit)")
 
 
-def check_backend(backend: str, sp_size: int, packing: bool = False) -> None:
+def check_backend(backend: str, sp_size: int) -> None:
     """Fail at start-up, with the fix, for a backend that cannot run here."""
-    if packing and sp_size > 1 and backend == "torch":
-        import torch  # here only: config validation must not pay for torch where it does not ask it anything
-
-        if torch.cuda.is_available():
-            raise ConfigError("data.packing with the torch ring on GPUs needs per-block document masks, which "
-                              "PyTorch's CUDA flash kernel lacks; use parallel.sp_backend=ulysses or ring_flash_attn, "
-                              "or data.packing=false")
     if sp_size == 1 or backend == "torch":
         return
     if backend == "ring_flash_attn":

@@ -66,7 +66,7 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.stratify and cfg.data.packing:
         raise ConfigError("data.stratify=true needs data.packing=false: a packed row holds samples of both classes, "
                           "so a step's rows cannot be balanced by class")
-    check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size, cfg.data.packing)
+    check_backend(cfg.parallel.sp_backend, cfg.parallel.sp_size)
 
 
 def _bounds(obj: Any, prefix: str, **limits: tuple) -> None:

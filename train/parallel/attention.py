@@ -31,7 +31,7 @@ ATTN_NAME = "longsft_sp"
 
 
 def _ring(q, k, v, scale, fwd: Forward, kept=None):
-    return zigzag_ring(q, k, v, scale, None if fwd.docs is None else fwd.docs.ids, kept=kept, sp=fwd.sp)
+    return zigzag_ring(q, k, v, scale, fwd.docs, kept=kept, sp=fwd.sp)
 
 
 def _ulysses(q, k, v, scale, fwd: Forward, kept=None):

@@ -52,6 +52,7 @@ class Documents:
         self._spans: list[list[tuple[int, int]]] | None = None
         self.whole_spans: list[list[tuple[int, int]]] | None = None  # spans in the SP group's whole rows
         self.varlen: list[tuple] | None = None  # ring-flash-attn's per-row llama3 cu_seqlens plans
+        self.ring_pieces: tuple | None = None  # the torch ring's pieces per step, for kernels without masks
 
     @property
     def spans(self) -> list[list[tuple[int, int]]]:

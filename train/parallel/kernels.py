@@ -36,13 +36,16 @@ class BlockKernel:
     ``bwd(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv)``, given the row's *final* out and lse.
     q [b, h, sq, d]; k, v [b, hk, sk, d]. ``gqa``: the kernel takes hk < h K/V heads itself (dk, dv come
     back per K/V head); otherwise the ring repeats K/V heads up to h and folds their gradients back.
-    Each CUDA call is checked against the kernel's own argument rules in ``tests/cuda_contract.py``.
+    ``masks``: packed documents run as one masked call per block (the CPU kernel); otherwise as one call per
+    document of the block (:mod:`.doc_blocks`). Each CUDA call is checked against the kernel's own argument
+    rules in ``tests/cuda_contract.py``.
     """
 
     name: str
     fwd: Callable
     bwd: Callable
     gqa: bool
+    masks: bool = False
 
 
 def _cpu_fwd(q, k, v, causal, scale):
@@ -108,7 +111,7 @@ def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
         q.shape[2], k.shape[2], 0.0, causal, scale=scale)
 
 
-CPU_KERNEL = BlockKernel("cpu_flash", _cpu_fwd, _cpu_bwd, gqa=True)
+CPU_KERNEL = BlockKernel("cpu_flash", _cpu_fwd, _cpu_bwd, gqa=True, masks=True)
 CUDNN_KERNEL = BlockKernel("cuda_cudnn", _cudnn_fwd, _cudnn_bwd, gqa=True)
 FLASH_KERNEL = BlockKernel("cuda_flash", _flash_fwd, _flash_bwd, gqa=True)
 EFFICIENT_KERNEL = BlockKernel("cuda_efficient", _efficient_fwd, _efficient_bwd, gqa=False)
@@ -194,7 +197,7 @@ def _block_mask(doc_q, doc_k, causal: bool, dtype):
 
 def block_fwd(kernel: BlockKernel, q, k, v, causal: bool, scale: float, docs=None):
     """One block: out [b, h, s, d], lse [b, h, s] (fp32). ``docs`` = (doc ids of q rows, of k)."""
-    if docs is not None:  # packed documents: an explicit mask (CPU kernel only, checked at start-up)
+    if docs is not None:  # packed documents: an explicit mask (the CPU kernel: ``BlockKernel.masks``)
         mask, empty = _block_mask(docs[0], docs[1], causal, q.dtype)
         out, lse = aten_op("_scaled_dot_product_flash_attention_for_cpu")(q, k, v, 0.0, False, attn_mask=mask,
                                                                               scale=scale)
