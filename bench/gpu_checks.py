@@ -15,8 +15,8 @@ others still run), ``started <check>`` and its seconds printed, the results file
   SDPA, forward and backward, Qwen3-8B heads (32 query, 8 K/V, dim 128) at 4K tokens: bf16 and fp16
   through the flash kernel (its backward with undefined ``cum_seq``), fp32 through the memory-efficient
   kernel (padded log-sum-exp); and ``packed_bf16``: packed documents (one-token ones among them) as the
-  CUDA kernels take them, one dense piece per document (``train/parallel/doc_blocks.py``), against SDPA
-  with the documents' mask;
+  CUDA kernels take them, one dense piece per document (``train/parallel/doc_blocks.py``; a row of one
+  document gives cuDNN its whole-block piece, the others go to flash), against SDPA with the documents' mask;
 - ``last_hidden_state``: the loss path's GPU memory at the LM head with ``model.offload_activations``:
   keeping every layer's output (``output_hidden_states=True``) against the last one only; the
   difference should be about layers x tokens x hidden x 2 bytes (8 layers of hidden 1024 at 16K
@@ -78,27 +78,36 @@ def check_ring(device: str) -> dict:
 
 
 def _packed_ring(device: str) -> dict:
-    """Packed documents through the ring on one rank (the CUDA kernels: a dense piece per document)."""
+    """Packed documents through the ring on one rank (the CUDA kernels: a dense piece per document): row 0
+    one document (a piece as large as the block: cuDNN's where it is chosen), row 1 five, two of one token
+    (flash's)."""
+    from longsft.train.parallel.context import ONE_RANK, Documents
+    from longsft.train.parallel.doc_blocks import piece_kernel
     from longsft.train.parallel.kernels import block_kernel
-    from longsft.train.parallel.ring import zigzag_ring_attention
+    from longsft.train.parallel.ring import doc_plan, zigzag_ring_attention
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     s = 4096 if device == "cuda" else 256
     lengths = torch.tensor([1, s // 6, 1, s // 2, s - s // 6 - s // 2 - 2])
-    docs = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None].to(device)
+    docs = torch.stack([torch.zeros(s, dtype=torch.long), torch.repeat_interleave(torch.arange(5), lengths)]).to(device)
     g = torch.Generator(device=device).manual_seed(1)
-    q, k, v = (torch.randn(1, n, s, 128, device=device, generator=g) for n in (32, 8, 8))
-    dout = torch.randn(1, 32, s, 128, device=device, generator=g)
-    allowed = (docs[0, :, None] == docs[0, None, :]) & torch.ones(s, s, dtype=torch.bool, device=device).tril()
+    q, k, v = (torch.randn(2, n, s, 128, device=device, generator=g) for n in (32, 8, 8))
+    dout = torch.randn(2, 32, s, 128, device=device, generator=g)
+    allowed = (docs[:, None, :, None] == docs[:, None, None, :]) & torch.ones(s, s, dtype=torch.bool,
+                                                                              device=device).tril()
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*ref, attn_mask=allowed, enable_gqa=True)  # fp32 reference
     want.backward(dout)
     got = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    res = zigzag_ring_attention(*got, docs=docs)
+    kernel = block_kernel(device, dtype)
+    documents = Documents(docs)
+    res = zigzag_ring_attention(*got, docs=documents, kernel=kernel)
     res.backward(dout.to(dtype))
     errs = {"out": rel(res, want), "dq": rel(got[0].grad, ref[0].grad), "dk": rel(got[1].grad, ref[1].grad),
             "dv": rel(got[2].grad, ref[2].grad)}
-    return {"kernel": block_kernel(device, dtype).name, "documents": lengths.tolist(), **errs,
+    used = sorted({piece_kernel(kernel, p, (s, s)).name for p in doc_plan(documents, ONE_RANK)[0]})
+    return {"kernel": kernel.name, "piece_kernels": used if not kernel.masks else "masked blocks",
+            "documents": [[s], lengths.tolist()], **errs,
             "pass": max(errs.values()) < (1e-4 if dtype == torch.float32 else 2e-2)}
 
 

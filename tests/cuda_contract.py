@@ -6,7 +6,8 @@ attention op and applies the checks the CUDA code makes, read from PyTorch's sou
 
 - ``aten/src/ATen/native/transformers/cuda/attention.cu`` / ``flash_attn/flash_api.cpp`` ``mha_fwd``,
   ``mha_bwd``: q/k/v fp16 or bf16 ("FlashAttention only support fp16 and bf16 data type"), last
-  stride 1, head dim <= 256, query heads a multiple of K/V heads; the log-sum-exp fp32 ``[b, h, sq]``;
+  stride 1, head dim a multiple of 8 ("this is ensured by padding!": SDPA pads, the private op does not)
+  and <= 256, query heads a multiple of K/V heads; the log-sum-exp fp32 ``[b, h, sq]``;
 - ``attention_backward.cu`` ``_flash_attention_backward``: ``if (cumulative_sequence_length_q.defined())``
   selects ``mha_varlen_bwd`` (3-D inputs, ``batch_size = cu_seqlens_q.numel() - 1 > 0``): a dense
   call must pass them undefined (None), never an empty tensor;
@@ -78,6 +79,7 @@ class CudaAttentionContract(TorchDispatchMode):
     def _scaled_dot_product_flash_attention(self, op, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                                             scale=None):
         _qkv(op, q, k, v, FLASH_DTYPES, gqa=True)
+        _require(q.shape[-1] % 8 == 0, op, f"head dim {q.shape[-1]} must be a multiple of 8 (mha_fwd)")
         _require(dropout_p == 0.0 and not return_debug_mask, op, "no dropout / debug mask expected")
 
     def _scaled_dot_product_flash_attention_backward(self, op, dout, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q,
@@ -87,6 +89,7 @@ class CudaAttentionContract(TorchDispatchMode):
                  "cum_seq_q/k must be undefined (None) for [b, h, s, d] inputs: a defined tensor, even an empty one, "
                  "selects mha_varlen_bwd, which fails ('batch size must be positive')")
         _qkv(op, q, k, v, FLASH_DTYPES, gqa=True)
+        _require(q.shape[-1] % 8 == 0, op, f"head dim {q.shape[-1]} must be a multiple of 8 (mha_bwd)")
         _require(dout.shape == q.shape == out.shape and dout.dtype == out.dtype == q.dtype, op, "dout/out like q")
         _require(lse.dtype == torch.float32 and tuple(lse.shape) == tuple(q.shape[:3]) and lse.is_contiguous(), op,
                  f"logsumexp must be contiguous fp32 {tuple(q.shape[:3])}, got {lse.dtype} {tuple(lse.shape)}")

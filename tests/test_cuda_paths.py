@@ -50,7 +50,9 @@ def test_kernel_choice():
     assert choose(bf16, 128, H200) is CUDNN_KERNEL and choose(fp16, 64, H200) is CUDNN_KERNEL
     assert choose(bf16, 256, H200) is CUDNN_KERNEL  # sm90 with cuDNN >= 9.10 takes head dim 256
     assert choose(bf16, 256, CudaFacts((10, 0), 91900)) is FLASH_KERNEL  # elsewhere <= 128
-    assert choose(bf16, 100, H200) is FLASH_KERNEL  # not a multiple of 8
+    # not a multiple of 8: neither cuDNN nor PyTorch's private flash op (mha_fwd: "head_size must be a multiple
+    # of 8, this is ensured by padding!", which public SDPA does and the ring would not)
+    assert choose(bf16, 100, H200) is EFFICIENT_KERNEL and choose(bf16, 100, A100) is EFFICIENT_KERNEL
     assert choose(bf16, 128, CudaFacts((9, 0), 91400)) is FLASH_KERNEL  # an older cuDNN: SDPA prefers flash too
     assert choose(bf16, 128, A100) is FLASH_KERNEL  # Ampere: flash first, as SDPA
     assert choose(fp32, 128, H200) is EFFICIENT_KERNEL  # neither cuDNN nor flash takes fp32
@@ -61,6 +63,8 @@ def test_kernel_choice():
                                     "sm80-sm121"), ("flash", H200, fp32, "fp16/bf16"), ("fast", H200, bf16, "one of")):
         with pytest.raises(ValueError, match=f"attention_kernel={want}.*{why}|{why}"):
             choose(dtype, 128, facts, want)
+    with pytest.raises(ValueError, match="attention_kernel=flash: .*multiples of 8"):
+        choose(bf16, 100, A100, "flash")
     assert block_kernel("cpu", torch.float32) is CPU_KERNEL
     with pytest.raises(ValueError, match="CUDA GPUs"):
         block_kernel("cpu", torch.float32, "cudnn")
@@ -258,6 +262,22 @@ def test_block_pieces_cut_documents():
     assert block_pieces([[3, 3, 4], [7, 7, 7]], [[2, 3, 3, 3], [6, 6, 6, 6]], False) == (Piece(0, 0, 2, 1, 4, False),)
     with pytest.raises(ValueError, match="must be contiguous"):
         block_pieces([[0, 1, 0]], [[0, 1, 0]], True)
+
+
+def test_doc_plan_refuses_a_document_in_two_places():
+    """Checked on the whole rows every rank gathers (so every rank refuses alike, before any ring pass):
+    here an id that recurs only in position order, each shard's own runs being unique."""
+    from longsft.train.parallel.context import Documents, SequenceParallel
+    from longsft.train.parallel.ring import _check_contiguous, doc_plan
+
+    ok = _doc_ids([3, 5])[None]
+    assert len(doc_plan(Documents(ok), SequenceParallel())) == 1
+    from longsft.train.parallel.layout import zigzag_index
+
+    _check_contiguous(torch.stack([ok[:, zigzag_index(8, 2, r)] for r in range(2)]))  # [0 0 0 1], [0 0 1 1]
+    # positions [0 0 1 1 0 0 2 2] on 2 ranks: rank 0 holds positions 0,1 and 6,7 -> [0 0 2 2]; rank 1 [1 1 0 0]
+    with pytest.raises(ValueError, match="contiguous in position order"):
+        _check_contiguous(torch.tensor([[[0, 0, 2, 2]], [[1, 1, 0, 0]]]))
 
 
 @pytest.mark.parametrize("gqa", [True, False])

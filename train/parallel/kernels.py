@@ -58,7 +58,8 @@ def _cpu_bwd(dout, q, k, v, out, lse, causal, scale):
 
 
 def _flash_fwd(q, k, v, causal, scale):
-    # flash_api.cpp mha_fwd: fp16/bf16 only, h % hk == 0, head dim <= 256; lse [b, h, sq] fp32, unpadded
+    # flash_api.cpp mha_fwd: fp16/bf16 only, h % hk == 0, head dim a multiple of 8 ("ensured by padding": SDPA
+    # pads it, this private op does not) and <= 256; lse [b, h, sq] fp32, unpadded
     r = aten_op("_scaled_dot_product_flash_attention")(q, k, v, 0.0, causal, False, scale=scale)
     return r[0], r[1]
 
@@ -141,23 +142,29 @@ def cudnn_refuses(dtype: torch.dtype, head_dim: int, facts: CudaFacts) -> str | 
     return None
 
 
+def flash_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether PyTorch's private flash op takes blocks of ``dtype`` and ``head_dim`` (``mha_fwd``'s checks)."""
+    return dtype in HALF and head_dim % 8 == 0 and head_dim <= 256
+
+
 def choose(dtype: torch.dtype, head_dim: int, facts: CudaFacts, want: str = "auto") -> BlockKernel:
     """The CUDA block kernel for ``dtype`` and ``head_dim`` on a GPU with ``facts``; ``want``: auto,
     cudnn, flash or efficient (``parallel.attention_kernel``; a forced kernel that cannot run is an error).
 
     auto: cuDNN where PyTorch's SDPA itself puts it first (sm9x/sm10x with cuDNN > 9.15, as its
-    ``select_sdp_backend``) and it takes the block; else flash for fp16/bf16 (head dim <= 256); else
+    ``select_sdp_backend``) and it takes the block; else flash for fp16/bf16 (head dim a multiple of 8, <= 256:
+    ``flash_api.cpp`` ``mha_fwd``; SDPA pads other head dims, the private op does not); else
     the memory-efficient kernel (fp32, wider heads).
     """
     if want == "auto":
         if facts.capability[0] in (9, 10) and facts.cudnn > 91500 and cudnn_refuses(dtype, head_dim, facts) is None:
             return CUDNN_KERNEL
-        return FLASH_KERNEL if dtype in HALF and head_dim <= 256 else EFFICIENT_KERNEL
+        return FLASH_KERNEL if flash_takes(dtype, head_dim) else EFFICIENT_KERNEL
     if want not in KERNELS:
         raise ValueError(f"parallel.attention_kernel={want!r}: one of auto, {', '.join(KERNELS)}")
     why = {"cudnn": cudnn_refuses(dtype, head_dim, facts),
-           "flash": None if dtype in HALF and head_dim <= 256 else
-           f"flash attention takes fp16/bf16 and head dims <= 256 ({dtype}, {head_dim})",
+           "flash": None if flash_takes(dtype, head_dim) else
+           f"flash attention takes fp16/bf16 and head dims that are multiples of 8 up to 256 ({dtype}, {head_dim})",
            "efficient": None}[want]
     if why:
         raise ValueError(f"parallel.attention_kernel={want}: {why}; use auto")

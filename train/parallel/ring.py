@@ -24,6 +24,7 @@ from longsft.train.parallel import comm
 from longsft.train.parallel.context import ONE_RANK, Documents, SequenceParallel
 from longsft.train.parallel.doc_blocks import Piece, block_pieces, pieces_bwd, pieces_fwd
 from longsft.train.parallel.kernels import BlockKernel, block_bwd, block_fwd, block_kernel, merge_
+from longsft.train.parallel.layout import zigzag_index
 
 
 def _start_pass(sp: SequenceParallel, tensors: list[torch.Tensor]) -> comm.Pending:
@@ -76,8 +77,9 @@ def doc_plan(docs: Documents, sp: SequenceParallel) -> tuple[tuple[Piece, ...], 
     every SP rank's document ids gathered and read on the host once per batch (every layer asks), kept
     on ``docs``."""
     if docs.ring_pieces is None:
-        shards = comm.all_gather(docs.ids, sp.group) if sp.size > 1 else [docs.ids]
-        ids = [shard.tolist() for shard in torch.stack(shards).cpu()]  # [sp][b][s_local], one host sync
+        shards = torch.stack(comm.all_gather(docs.ids, sp.group) if sp.size > 1 else [docs.ids]).cpu()  # one sync
+        _check_contiguous(shards)  # every rank holds the same ids: all raise together, none waits in the ring
+        ids = [shard.tolist() for shard in shards]  # [sp][b][s_local]
         c = len(ids[sp.rank][0]) // 2
         plan = []
         for step in range(sp.size):
@@ -86,6 +88,17 @@ def doc_plan(docs: Documents, sp: SequenceParallel) -> tuple[tuple[Piece, ...], 
             plan.append(block_pieces([row[qs] for row in ids[sp.rank]], [row[ks] for row in ids[src]], causal))
         docs.ring_pieces = tuple(plan)
     return docs.ring_pieces
+
+
+def _check_contiguous(shards: torch.Tensor) -> None:
+    """Every document one run in position order: ``shards`` [sp, b, s_local], the SP ranks' zigzag shards."""
+    sp, b, n = shards.shape
+    whole = torch.empty(b, sp * n, dtype=shards.dtype)
+    whole[:, torch.cat([zigzag_index(sp * n, sp, r) for r in range(sp)])] = shards.transpose(0, 1).reshape(b, -1)
+    for row in whole:
+        if 1 + int((row[1:] != row[:-1]).sum()) != row.unique().numel():
+            raise ValueError("packed document ids must be contiguous in position order (one run per document); "
+                             "a row repeats an id after another document")
 
 
 def _fwd(kernel, q, k, v, causal, scale, blk_docs, pieces):
