@@ -302,3 +302,38 @@ def test_packed_ring_without_masks_equals_masked_sdpa_on_cpu(dtype, gqa):
         assert ((out.float() - want).norm() / want.norm()).item() < tol, kernel
         for a, b in zip(got, ref):
             assert ((a.grad.float() - b.grad).norm() / b.grad.norm()).item() < tol, kernel
+
+
+def test_packed_ring_recompute_with_kept_attention_runs_no_kernel():
+    """A checkpoint's recompute given the forward's kept out/lse (``model.keep_attention``): no forward
+    kernel runs, the pieces come from the batch's ``Documents``, and the gradients equal masked SDPA's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longsft.train.parallel.context import Documents
+    from longsft.train.parallel.ring import zigzag_ring
+
+    class Forwards(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Forwards.n += func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(2)
+    s, kernel = 24, dataclasses.replace(CPU_KERNEL, masks=False)
+    ids = _doc_ids([5, 1, 18])[None]
+    q, k, v = (torch.randn(1, n, s, 16, generator=g) for n in (4, 2, 2))
+    dout = torch.randn(1, 4, s, 16, generator=g)
+    allowed = (ids[:, None, :, None] == ids[:, None, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, attn_mask=allowed, enable_gqa=True).backward(dout)
+    docs = Documents(ids)
+    with torch.no_grad():
+        _, kept = zigzag_ring(q, k, v, None, docs, kernel)
+    got = [t.clone().requires_grad_() for t in (q, k, v)]
+    with Forwards():
+        out, _ = zigzag_ring(*got, None, docs, kernel, kept=kept)
+    assert Forwards.n == 0 and docs.ring_pieces is not None
+    out.backward(dout)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
