@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from longsft.eval.report import compare, paired
+from longsft.train.config.recipes import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, write_result
@@ -144,6 +145,14 @@ def main() -> None:
           # the batch and learning rate of the CPU run that learned (the recipe's: batch 2, s512 at 2e-4)
           "optim.grad_accum=4", "optim.lr=1e-4"] if args.gpu else [])
     eval_keys = ["dtype=bf16"] if args.gpu else []
+    # the curriculum refuses a stage whose samples do not fill one optimizer step: say so now, not after the
+    # data and the base model's evaluation
+    cfg = load_config("smollm2_135m", [*train_keys, *overrides])
+    batch = max(1, args.ranks // cfg.parallel.sp_size) * cfg.optim.micro_batch_size * cfg.optim.grad_accum
+    counts = {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}
+    short = [f"--n-{st.bucket} {counts[st.bucket]}" for st in cfg.stages if counts.get(st.bucket, batch) < batch]
+    if short:
+        ap.error(f"{', '.join(short)}: each stage needs at least one optimizer step of {batch} samples")
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"

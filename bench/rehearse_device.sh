@@ -48,6 +48,6 @@ check tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py te
 check gpu_smoke bash bench/gpu.sh --smoke
 check vs_alst_smoke python3 bench/gpu_vs_alst.py --smoke
 check tiny bash bench/gpu_tiny.sh "$WORK/tiny" 1
-check learn python3 bench/learn.py --gpu --model "$model" --out "$WORK/learn" --n-512 6 --n-1k 2 --n-2k 2 --val 2 \
+check learn python3 bench/learn.py --gpu --model "$model" --out "$WORK/learn" --n-512 6 --n-1k 4 --n-2k 4 --val 2 \
   --test 4 --json learn_rehearsal
 echo "all passed in the GPU image's software ($WORK/logs)"
