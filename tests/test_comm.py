@@ -18,8 +18,14 @@ COLLECTIVES = {
     "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "gather", "scatter",
     "gather_object", "scatter_object_list", "send_object_list", "recv_object_list", "all_reduce_coalesced"}
 SCANNED = ("train", "eval", "launch", "bench")
-# comm.py itself; gpu_checks.py calls NCCL directly on purpose, to show it refuses a CPU tensor
-ALLOWED = {Path("train/parallel/comm.py"), Path("bench/gpu_checks.py")}
+# comm.py itself; gpu_checks.py calls NCCL directly on purpose, to show it refuses a CPU tensor; alst.py is
+# DeepSpeed's ALST recipe reproduced as the comparator (its loss all-gather as ALST's example writes it)
+ALLOWED = {Path("train/parallel/comm.py"), Path("bench/gpu_checks.py"), Path("bench/alst.py")}
+
+
+def _collective_module(name: str) -> bool:
+    """torch.distributed, any module under it (``nn.functional``, ``distributed_c10d``), or deepspeed.comm."""
+    return name == "torch.distributed" or name.startswith("torch.distributed.") or name == "deepspeed.comm"
 
 
 def collective_calls(source: str) -> list[tuple[int, str]]:
@@ -29,19 +35,19 @@ def collective_calls(source: str) -> list[tuple[int, str]]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if a.name == "torch.distributed" and a.asname:
+                if _collective_module(a.name) and a.asname:
                     modules.add(a.asname)
-        elif isinstance(node, ast.ImportFrom):
+        elif isinstance(node, ast.ImportFrom) and node.module:
             for a in node.names:
-                if node.module == "torch" and a.name == "distributed":
-                    modules.add(a.asname or a.name)
-                elif node.module == "torch.distributed" and (a.name in COLLECTIVES or a.name == "*"):
+                if _collective_module(node.module) and (a.name in COLLECTIVES or a.name == "*"):
                     direct.add(a.asname or a.name)
+                elif _collective_module(f"{node.module}.{a.name}"):
+                    modules.add(a.asname or a.name)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES:
             base = ast.unparse(node.value)
-            if base in modules or base == "torch.distributed":
+            if base in modules or _collective_module(base):
                 found.append((node.lineno, f"{base}.{node.attr}"))
         elif isinstance(node, ast.Name) and node.id in direct and isinstance(node.ctx, ast.Load):
             found.append((node.lineno, node.id))
@@ -57,6 +63,13 @@ def test_the_scanner_sees_every_spelling():
            "dist.P2POp(dist.isend, stats, 1)\n")
     names = [n for _, n in collective_calls(bad)]
     assert names == ["dist.all_reduce", "torch.distributed.barrier", "D.broadcast", "ag", "dist.P2POp", "dist.isend"]
+    other = ("import torch.distributed.nn.functional as dnnf\nfrom torch.distributed import distributed_c10d as c10d\n"
+             "from deepspeed import comm as dsc\nimport deepspeed.comm\nfrom torch.distributed.nn import all_gather\n"
+             "dnnf.all_gather(x)\nc10d.broadcast(x, 0)\ndsc.all_reduce(x)\ndeepspeed.comm.barrier()\nall_gather(x)\n"
+             "torch.distributed.nn.functional.all_reduce(x)\n")
+    assert [n for _, n in collective_calls(other)] == ["dnnf.all_gather", "c10d.broadcast", "dsc.all_reduce",
+                                                       "deepspeed.comm.barrier", "all_gather",
+                                                       "torch.distributed.nn.functional.all_reduce"]
     assert collective_calls("import torch.distributed as dist\ndist.is_initialized()\ndist.get_rank()\n") == []
 
 

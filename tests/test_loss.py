@@ -128,6 +128,45 @@ def test_a_tied_head_gradient_deferred_to_the_embedding_equals_autograd(n, chunk
     assert got[pad].abs().sum() > 0 and not deferred.parts  # the head's share of the padding row; all folded
 
 
+def test_the_tied_embedding_gradient_adds_no_repeated_row_in_half_precision():
+    """On CUDA a bf16 ``index_add_`` adds repeated ids one atomic at a time, rounding after each: the lookup's
+    gradient must reach a half-precision tensor with each row once (its copies summed in fp32), and equal
+    the fp32 sum rounded once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from longsft.train.model.tied_head import Deferred, HeadCrossEntropy, defer_into_embedding
+
+    class Adds(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.half_rows: list[tuple[int, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.index_add_.default, torch.ops.aten.index_add.default) and \
+                    args[0].dtype in (torch.bfloat16, torch.float16):
+                self.half_rows.append((args[2].numel(), args[2].unique().numel()))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    V, H = 40, 8
+    emb = torch.nn.Embedding(V, H).to(torch.bfloat16)
+    head = type("Tied", (torch.nn.Module,), {"get_input_embeddings": lambda self: emb})()
+    ids = torch.cat([torch.zeros(1, 3000, dtype=torch.long), torch.randint(0, V, (1, 200))], dim=1)  # token 0 x3000+
+    deferred = Deferred()
+    defer_into_embedding(head, deferred)
+    h = emb(ids).reshape(-1, H)[-4:]
+    g = torch.rand(ids.shape[1], H)
+    with Adds() as adds:
+        (HeadCrossEntropy.apply(h.float().to(torch.bfloat16), emb.weight, ids[0, -4:], 4, deferred)
+         + (emb(ids).reshape(-1, H).float() * g).sum()).backward()
+    assert adds.half_rows and all(n == unique for n, unique in adds.half_rows), adds.half_rows
+    from longsft.train.model.tied_head import _add_rows
+
+    gb = g.to(torch.bfloat16)
+    want = torch.zeros(V, H).index_add_(0, ids.reshape(-1), gb.float()).to(torch.bfloat16)  # fp32, rounded once
+    assert torch.equal(_add_rows(torch.zeros(V, H, dtype=torch.bfloat16), ids.reshape(-1), gb), want)
+
+
 def test_no_dense_tied_head_gradient_while_the_layers_run_backward():
     """The point of deferring: at each decoder layer's backward the tied head's [V, H] gradient does not
     exist yet (live tensors counted as the planner counts them); gradients equal the plain path's."""

@@ -174,9 +174,21 @@ class _Embedding(torch.autograd.Function):
         # the weight's values are needed only to recompute dlogits (ZeRO-3 does not gather a lookup's
         # weight for its backward, nor need it: the gradient has its full shape whatever the weight's now)
         with _gathered(weight, keep=True) if ctx.deferred.recompute else contextlib.nullcontext():
-            grad_w = ctx.deferred.dense(full_shape(weight), g.dtype, weight).index_add_(0, ids.reshape(-1), g)
+            grad_w = ctx.deferred.dense(full_shape(weight), g.dtype, weight)
         ctx.weight = None
-        return None, grad_w, None, None
+        return None, _add_rows(grad_w, ids.reshape(-1), g), None, None
+
+
+def _add_rows(grad_w: torch.Tensor, ids: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``grad_w[ids[i]] += g[i]``, each row's copies summed in fp32 and rounded once. A half-precision
+    ``index_add_`` with repeated ids adds them one atomic at a time on CUDA, rounding after each (a token
+    seen thousands of times in a long prompt stops accumulating); PyTorch's own embedding backward sorts
+    and sums in fp32 too. grad_w [V, H]; ids [n]; g [n, H]."""
+    if grad_w.dtype == torch.float32:
+        return grad_w.index_add_(0, ids, g)
+    rows, where = ids.unique(return_inverse=True)
+    summed = torch.zeros(rows.numel(), g.shape[1], dtype=torch.float32, device=g.device).index_add_(0, where, g.float())
+    return grad_w.index_add_(0, rows, summed.to(grad_w.dtype))
 
 
 def deferrable(model) -> bool:
