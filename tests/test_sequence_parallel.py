@@ -70,14 +70,18 @@ def test_ulysses_head_count_is_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1, 2, 4])  # 1: one rank keeping its attention (the ring's single block)
-def test_ring_attention_equals_full_attention(tmp_path, nproc):
+# 1: one rank keeping its attention (the ring's single block); (4, 2): two SP groups of 2 side by side, where
+# the second group's ranks 2, 3 are its SP ranks 0, 1 (every backend's group numbering)
+@pytest.mark.parametrize("nproc, sp", [(1, None), (2, None), (4, None), (4, 2)])
+def test_ring_attention_equals_full_attention(tmp_path, nproc, sp):
     out = tmp_path / "errs.json"
     # ring_flash_attn: ring-flash-attn's own ring code, fed flash-attn's kernel interface on CPU
     stand_in = str(ROOT / "tests" / "flash_attn_cpu")
     env = {"LONGSFT_TEST_RING_FLASH_ATTN": "1", "PYTHONPATH": os.pathsep.join(
         p for p in (stand_in, os.environ.get("PYTHONPATH")) if p)}
-    torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out)], nproc=nproc, env=env)
+    torchrun([str(ROOT / "tests" / "dist" / "ring_attention.py"), str(out), *([str(sp)] if sp else [])], nproc=nproc,
+             env=env)
+    group = sp or nproc
     cases = json.loads(out.read_text())
     # (one rank: the ring's single block is what keep_attention uses there; ring-flash-attn is sp > 1 only)
     assert {c["backend"] for c in cases} == {"torch", "torch_pieces", "ulysses", "ring_flash_attn"} - (
@@ -89,7 +93,7 @@ def test_ring_attention_equals_full_attention(tmp_path, nproc):
             assert case.get(key, 0) < tol, case
     # a checkpointed layer: the recompute runs the forward's kernels again (ring: one per block),
     # unless model.keep_attention kept their result (same gradients)
-    for backend, per_forward in (("torch", nproc), ("ulysses", 1)):
+    for backend, per_forward in (("torch", group), ("ulysses", 1)):
         calls = {c["kept"]: c["forward_kernels"] for c in cases if c["backend"] == backend and "kept" in c
                  and c["heads"] == 4 and c["kv_heads"] == 2}
         assert calls == {False: 2 * per_forward, True: per_forward}, (backend, calls)

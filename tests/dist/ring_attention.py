@@ -1,6 +1,6 @@
 """Sequence-parallel attention (zigzag ring, Ulysses) on N ranks vs full causal attention.
 
-    torchrun --nproc_per_node=N tests/dist/ring_attention.py OUT.json
+    torchrun --nproc_per_node=N tests/dist/ring_attention.py OUT.json [SP]
 
 Writes the max relative error of the output and of dQ/dK/dV per (backend, dtype, seq_len, heads) case.
 ``torch_pieces``: the torch ring with the CPU kernel running packed documents as the CUDA kernels do (a
@@ -39,7 +39,7 @@ def forward_kernels(fn) -> int:
     return Count.n
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, sp_arg: str | None = None) -> None:
     from longsft.train.parallel import comm
     from longsft.train.parallel import distributed
     from longsft.train.parallel.attention import BACKENDS, attend_layer
@@ -50,8 +50,10 @@ def main(out_path: str) -> None:
     from longsft.train.parallel.layout import zigzag_index
     from longsft.train.parallel.ring import zigzag_ring_attention
 
-    d = distributed.init(int(os.environ.get("WORLD_SIZE", "1")))
-    n = d.world_size
+    # SP over the whole world, or (a second argument) SP groups of that size side by side: then group ranks
+    # differ from global ranks (ranks 2, 3 are SP ranks 0, 1 of the second group)
+    d = distributed.init(int(sp_arg) if sp_arg else int(os.environ.get("WORLD_SIZE", "1")))
+    n = d.sp.size
     results = []
     cases = [(torch.float32, 8 * n, 4, 4, None), (torch.float32, 24 * n, 4, 2, None), (torch.float32, 2 * n, 2, 1, None),
              # 8 query heads over 2 K/V heads: on 4 ranks Ulysses repeats K/V to lcm(2, 4) = 4 heads, not 8
@@ -132,4 +134,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])
