@@ -87,7 +87,8 @@ def pieces_fwd(kernel: BlockKernel, q, k, v, scale: float, pieces: tuple[Piece, 
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
     for p in pieces:
-        o, m = piece_kernel(kernel, p, (q.shape[2], k.shape[2])).fwd(_cut(q, p, True), _cut(k, p, False), _cut(v, p, False), p.causal, scale)
+        run = piece_kernel(kernel, p, (q.shape[2], k.shape[2]))
+        o, m = run.fwd(_cut(q, p, True), _cut(k, p, False), _cut(v, p, False), p.causal, scale)
         out[p.row:p.row + 1, :, p.q0:p.q1] = o
         lse[p.row:p.row + 1, :, p.q0:p.q1] = m
     return out, lse
@@ -98,8 +99,9 @@ def pieces_bwd(kernel: BlockKernel, dout, q, k, v, out, lse, scale: float, piece
     dq [b, h, sq, d], dk, dv [b, hk, sk, d] (zero where no piece)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for p in pieces:
-        g = piece_kernel(kernel, p, (q.shape[2], k.shape[2])).bwd(_cut(dout, p, True), _cut(q, p, True), _cut(k, p, False), _cut(v, p, False),
-                                   _cut(out, p, True), _cut(lse, p, True), p.causal, scale)
+        run = piece_kernel(kernel, p, (q.shape[2], k.shape[2]))
+        g = run.bwd(_cut(dout, p, True), _cut(q, p, True), _cut(k, p, False), _cut(v, p, False), _cut(out, p, True),
+                    _cut(lse, p, True), p.causal, scale)
         dq[p.row:p.row + 1, :, p.q0:p.q1] = g[0]
         dk[p.row:p.row + 1, :, p.k0:p.k1] = g[1]
         dv[p.row:p.row + 1, :, p.k0:p.k1] = g[2]
