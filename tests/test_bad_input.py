@@ -402,13 +402,15 @@ def test_first_run_says_it_builds_cpu_adam(tmp_path, monkeypatch, capsys):
 
 
 def test_learn_bench_refuses_a_stage_smaller_than_one_step(tmp_path):
-    """bench/learn.py --gpu trains in steps of 4: buckets of fewer samples are refused before any data,
-    evaluation or training (the curriculum would refuse the stage only after both)."""
+    """bench/learn.py --gpu trains in steps of 4: buckets of fewer samples, and a bad key=value, are refused in
+    one line before any data, evaluation or training (the curriculum would refuse them only after both)."""
     import subprocess
     import sys
 
     out = tmp_path / "learn"
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--gpu", "--n-1k", "2", "--out", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--n-1k 2: each stage needs at least one optimizer step of 4 samples" in r.stderr
-    assert not out.exists()
+    for extra, message in ((["--n-1k", "2"], "--n-1k 2: each stage needs at least one optimizer step of 4 samples"),
+                           (["optim.grad_accum=zero"], "'optim.grad_accum' must be an integer, got 'zero'")):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "learn.py"), "--gpu", *extra, "--out", str(out)],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
+        assert not out.exists()
