@@ -59,13 +59,22 @@ ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
 # (about 3 in 5 sampled articles keep a faithful human summary, 26 of 44; mma_only holds at most twice
 # the training articles; batch: longsft serve's batch and data mma's concurrency)
 # (transfer: items of the second test, counterfactual hallucinations that only the article reveals)
-SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160, "batch": 4, "transfer": 2},
-         "cpu": {"articles": 44, "sizes": "14,all", "val": 2, "test": 10, "reply": 256, "batch": 4, "transfer": 40},
+# (epochs: each arm's passes over its samples; on the GPU 4, so the largest arms (about 180 and 280 samples)
+# take as many steps of 4 as the CPU learning runs needed before they learned: 160 to 200, whether the
+# samples were 800 seen once or 400 seen twice (docs/training.md); 2 on CPU, where time is short)
+SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160, "batch": 4, "transfer": 2,
+                   "epochs": 2},
+         "cpu": {"articles": 44, "sizes": "14,all", "val": 2, "test": 10, "reply": 256, "batch": 4, "transfer": 40,
+                 "epochs": 2},
          "gpu": {"articles": 240, "sizes": "60,all", "val": 10, "test": 40, "reply": 256, "batch": 32,
-                 "transfer": 200}}
+                 "transfer": 200, "epochs": 4}}
 START_S = 300  # seconds longsft serve may take to load its model and say where it listens
 JUDGE_B = "temperature=0.7,seed=1"  # the second judge's sampling (an endpoint option: Endpoint.parse)
-STAGE = "stages=[{name: s512, bucket: '512', seq_len: 1024, epochs: 2}]"
+
+
+def stage(epochs: int) -> str:
+    """The arms' one curriculum stage."""
+    return f"stages=[{{name: s512, bucket: '512', seq_len: 1024, epochs: {epochs}}}]"
 
 
 def sh(cmd: list[str], log: Path, **kw) -> subprocess.CompletedProcess:
@@ -275,7 +284,7 @@ def main() -> None:
 
     # each step's classes stratified, as bench/learn.py trains (its CPU runs learned with them at two seeds,
     # far less without: docs/training.md); an arm's classes need not be balanced
-    train_keys = [f"model.path={a.model}", STAGE, "logging.progress=false", "validation.max_new_tokens=48",
+    train_keys = [f"model.path={a.model}", stage(n["epochs"]), "logging.progress=false", "validation.max_new_tokens=48",
                   "data.stratify=true"]
     if a.gpu:  # and learn.py --gpu's batch (4) and learning rate (1e-4)
         train_keys += ["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
