@@ -3,7 +3,8 @@
 # First bring the model and the wheels there with bench/gpu_carry.sh (two calls), then, on the same warm
 # machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
 #            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json;
-#                                                              its MMA judges: learn.py's checkpoint if it ran)
+#                                                              its MMA judges: learn.py's checkpoint if it ran,
+#                                                              else one it trains first, 200 steps)
 # Every phase of learn.py resumes: a run cut off by the time limit goes on where it stopped when run again.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ for b in dict.fromkeys(best[-1:] + best[:1]): print(b)' 2>/dev/null)
   if [ ${#judge_args[@]} -gt 0 ]; then
     echo "MMA judges: ${judges[*]}"
   else
-    echo "MMA judges: the base model (no learn.py checkpoint on this machine: it rarely states a score)" >&2
+    echo "MMA judges: none from learn.py on this machine: table5_mini.py trains its own first (--judge-steps)" >&2
   fi
   timeout -s TERM -k 30 "$LIMIT" python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu \
     "${judge_args[@]}" "$@"

@@ -16,8 +16,9 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    complaint and the format. The base 135M model rarely states a score (the CPU smoke: 7 of 8
    summaries unjudged), so ``--judge-model A [B]`` serves other checkpoints for the judges (A is also
    the arbiter; two: both greedy; the flag once per model): ``bench/gpu_learn.sh table5`` passes the checkpoints
-   ``learn.py --gpu`` trained (its first stage's and its latest stage's best) when there are any; CPU mode
-   without the flag first trains one itself (``--judge-steps``, 120: :func:`train_judge`, OUT/judge). Every
+   ``learn.py --gpu`` trained (its first stage's and its latest stage's best) when there are any; without the
+   flag it first trains one itself (``--judge-steps``: CPU 120, GPU 200, smoke 0: :func:`train_judge`,
+   OUT/judge), so that a GPU allocation of its own, without learn.py's checkpoint, still has judges. Every
    server batches greedy requests (``longsft serve batch=N``) and ``data mma`` keeps N articles in
    flight (``--concurrency``);
 4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
@@ -179,14 +180,16 @@ def fixed_port(path: Path) -> int:
     return int(path.read_text())
 
 
-def train_judge(out: Path, model: str, steps: int, log: Path) -> tuple[str, dict]:
+def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False) -> tuple[str, dict]:
     """Train the MMA judges' checkpoint under ``out`` (resumes): ``steps`` stratified steps of 4 samples on
     counterfactual data (English, 512 bucket, other articles than the ablation's: seed 7), one rank, ZeRO-2,
-    lr 1e-4, validation on 48 items every half; bf16 where this CPU has a fast bf16 path, else fp32
-    (``bench/cpu_bf16.py``). The settings of the run that gave the smoke's trained judges (docs/benchmarks.md).
-    Returns the best checkpoint and the run's validations and wall seconds."""
+    lr 1e-4, validation on 48 items every half (``gpu``: every quarter, in batches); bf16 on a GPU and where
+    this CPU has a fast bf16 path, else fp32 (``bench/cpu_bf16.py``). The settings of the run that gave the
+    smoke's trained judges (docs/benchmarks.md); at 200 steps, those of the CPU learning runs that learned
+    (docs/training.md). Returns the best checkpoint and the run's validations and wall seconds."""
     from longsft.train.common.cpu_features import fast_bf16
 
+    dtype = "bf16" if gpu or fast_bf16() else "fp32"
     data, run = out / "data", out / "run"
     if not (data / "512" / "validation.jsonl").exists():
         sh([*CLI, "data", "sample", "--out", str(data), "--languages", "en", "--balanced", "--buckets", "512", "--n",
@@ -195,17 +198,17 @@ def train_judge(out: Path, model: str, steps: int, log: Path) -> tuple[str, dict
     state = run / "state.json"
     if not state.exists() or any(s["status"] != "done" for s in json.loads(state.read_text())["stages"].values()):
         stage = f"stages=[{{name: s512, bucket: '512', seq_len: 768, epochs: 1, max_steps: {steps}, " \
-                f"every_steps: {max(steps // 2, 1)}}}]"
+                f"every_steps: {max(steps // (4 if gpu else 2), 1)}}}]"
         sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}", f"model.path={model}",
             f"data.train_file={data}/{{bucket}}/train.jsonl",
             f"data.validation_file={data}/{{bucket}}/validation.jsonl",
             "logging.progress=false", "data.stratify=true", "parallel.sp_size=1", "deepspeed.config=zero2",
-            f"model.dtype={'bf16' if fast_bf16() else 'fp32'}", "model.gradient_checkpointing=false",
-            "optim.grad_accum=4", "optim.lr=1e-4", "validation.max_samples=48", "seed=7", stage], log)
+            f"model.dtype={dtype}", "model.gradient_checkpointing=false", "optim.grad_accum=4", "optim.lr=1e-4",
+            "validation.max_samples=48", "seed=7", stage, *(["validation.batch_tokens=65536"] if gpu else [])], log)
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     done = json.loads(state.read_text())["stages"]["s512"]
-    info = {"steps": steps, "dtype": "bf16" if fast_bf16() else "fp32", "seconds": round(done["seconds"], 1),
+    info = {"steps": steps, "dtype": dtype, "seconds": round(done["seconds"], 1),
             "validation": [{k: m.get(k) for k in ("step", "balanced_accuracy", "mcc", "decision_auc")}
                            for m in metrics if m["kind"] == "val"]}
     return str(run / "stages" / "s512" / "best"), info
@@ -260,8 +263,8 @@ def main() -> None:
                     help="an MMA judge's model, once or twice (a checkpoint folder or GGUF file; default --model); "
                          "the first is also the arbiter")
     ap.add_argument("--judge-steps", type=int, default=None,
-                    help="without --judge-model: train the judges' checkpoint for this many steps first (CPU mode "
-                         "120: the base model rarely states a score; --smoke and --gpu 0: the base model judges)")
+                    help="without --judge-model: train the judges' checkpoint for this many steps first (CPU 120, "
+                         "--gpu 200: the base model rarely states a score; --smoke 0: the base model judges)")
     a, extra = ap.parse_known_args()
     if a.judge_steps is not None and a.judge_steps < 0:
         ap.error(f"--judge-steps {a.judge_steps}: 0 (the base model judges) or more")
@@ -306,9 +309,9 @@ def main() -> None:
         sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
         done("erhg")
     judge = None
-    steps = a.judge_steps if a.judge_steps is not None else (120 if mode == "cpu" else 0)
+    steps = a.judge_steps if a.judge_steps is not None else {"cpu": 120, "gpu": 200, "smoke": 0}[mode]
     if not a.judge_model and steps > 0:
-        checkpoint, judge = train_judge(out / "judge", a.model, steps, log)
+        checkpoint, judge = train_judge(out / "judge", a.model, steps, log, gpu=a.gpu)
         a.judge_model = [checkpoint]
         done("judge")
     if not mma.exists():
