@@ -5,7 +5,16 @@
 #            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json;
 #                                                              its MMA judges: learn.py's checkpoint if it ran,
 #                                                              else one it trains first, 200 steps)
-# Every phase of learn.py resumes: a run cut off by the time limit goes on where it stopped when run again.
+# Every phase of both resumes: a run cut off goes on where it stopped when run again on the same machine.
+# LIMIT (seconds, default 530): the run's own limit, after which it is stopped by SIGTERM and its results
+# copied to $OUT. It must end before the device call does: a call's limit is its timeout_s or the session's
+# device time left, whichever is less, so on a late call set LIMIT to that less about 70 s (the copy, the
+# transfers). Its results file and state also go to $OUT every 30 s while it runs, so that even a call cut off
+# from outside returns what was measured up to then.
+# On a fresh machine (a later allocation), a run goes on from the state a cut-off one returned: put its
+# learn_state.tgz / table5_state.tgz (from $OUT) in .carry/ here and name it in the call's carry list. The
+# archive holds no weights: what it finished (data, MMA data, evaluations) is kept, a training run not yet
+# evaluated is trained again (bench/restore.py), an unfinished MMA phase starts over.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=/tmp/longsft_carry
@@ -15,38 +24,81 @@ site=$(mktemp -d)
 mkdir -p "$site/longsft"
 for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/longsft/$pkg"; done
 export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
-# What a run left, without weights or data, to $OUT (also after a cut-off run): logs, state, metrics, evals.
-keep() {  # keep DIR NAME
-  [ -n "${OUT:-}" ] && tar czf "$OUT/$2.tgz" -C "$1" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
-    --exclude='./data' --exclude='./sample' . 2>/dev/null || true
-}
-# Stopped by SIGTERM before the device call's 600 s (LIMIT): the trainer saves a checkpoint on it, and a
-# rerun resumes there; `timeout` signals the whole process group (learn.py, torchrun, its workers).
 LIMIT=${LIMIT:-530}
+started=$site/started  # results files older than this run are not its own (a committed one, say)
+touch "$started"
+
+keep() {  # keep DIR NAME RESULT: what the run has left, without weights or data, to $OUT: logs, state,
+  # metrics, evaluations, and its results file (bench/results/RESULT.json) when this run wrote it
+  [ -n "${OUT:-}" ] && [ -d "$1" ] || return 0
+  # (exit 1: a file changed while it was read, the run going on; the archive is still whole)
+  tar czf "$OUT/.$2.tgz" -C "$1" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
+    --exclude='./data' --exclude='./sample' . 2>/dev/null
+  if [ $? -le 1 ]; then mv "$OUT/.$2.tgz" "$OUT/$2.tgz"; else rm -f "$OUT/.$2.tgz"; fi
+  local result=bench/results/$3.json
+  if [ "$result" -nt "$started" ]; then cp "$result" "$OUT/.$3.json" && mv "$OUT/.$3.json" "$OUT/$3.json"; fi
+  for f in "$1"/report.md "$1"/table5.md; do
+    if [ -f "$f" ] && [ "$f" -nt "$started" ]; then cp "$f" "$OUT"/; fi
+  done
+  return 0
+}
+
+restore() {  # restore DIR NAME: DIR from .carry/NAME.tgz where DIR is not on this machine
+  [ ! -d "$1" ] && [ -f ".carry/$2.tgz" ] || return 0
+  mkdir -p "$1" && tar xzf ".carry/$2.tgz" -C "$1" || { echo "cannot restore $1 from .carry/$2.tgz" >&2; exit 2; }
+  echo "restored $1 from .carry/$2.tgz (no weights: bench/restore.py)"
+  if [ -d "$1/arms" ] || [ -f "$1/sizes.json" ]; then  # Table 5's: the MMA phase's answers come from its judges,
+    # which were on the other machine: an unfinished MMA phase starts over, with judges chosen here
+    [ -f "$1/mma.jsonl" ] || rm -f "$1/mma.jsonl.cache.jsonl" "$1/judges.txt"
+  fi
+  return 0
+}
+
+run() {  # run DIR NAME RESULT COMMAND...: COMMAND under LIMIT, kept to $OUT every 30 s and at its end
+  local dir=$1 name=$2 result=$3; shift 3
+  # (its output to /dev/null: a sleep it leaves behind must not hold the call's output open)
+  ( while sleep 30; do keep "$dir" "$name" "$result"; done ) > /dev/null 2>&1 &
+  local snapshots=$!
+  # `timeout` signals its process group (this script's Python and torchrun); torchrun passes SIGTERM on to
+  # its workers, which run in sessions of their own: the trainer saves a checkpoint at its next step, and a
+  # rerun resumes there
+  timeout -s TERM -k 30 "$LIMIT" "$@"
+  local rc=$?
+  # stopped: the trainer's ranks may still be saving their checkpoint; the last snapshot and a rerun wait
+  # for them (at most 60 s), so that no two trainers write one run folder
+  for _ in $(seq 60); do pgrep -f "run_dir=$dir/" > /dev/null 2>&1 || break; sleep 1; done
+  pkill -P "$snapshots" 2>/dev/null; kill "$snapshots" 2>/dev/null
+  wait "$snapshots" 2>/dev/null
+  keep "$dir" "$name" "$result"
+  return $rc
+}
+
 if [ "${1:-}" = table5 ]; then
   shift
-  # the MMA judges: the checkpoints learn.py --gpu trained (its first stage's best and its latest stage's
-  # best), when it ran first on this machine
+  restore /tmp/longsft_table5_gpu table5_state
+  # the MMA judges: the checkpoints learn.py --gpu trained (its latest finished stage's best and its first
+  # stage's best), when it ran first on this machine: only stages it finished (a stage cut off has a best
+  # from before its labels settled)
   mapfile -t judges < <(python3 -c 'import json, os
 s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
-best = [b for b in (f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n in s) if os.path.isdir(b)]
-for b in dict.fromkeys(best[-1:] + best[:1]): print(b)' 2>/dev/null)
+best = [f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n, st in s.items() if st["status"] == "done"]
+for b in dict.fromkeys(b for b in best[-1:] + best[:1] if os.path.isdir(b)): print(b)' 2>/dev/null)
+  # once chosen, the same judges on every rerun: MMA's answers so far are cached per judge
+  [ -f /tmp/longsft_table5_gpu/judges.txt ] && mapfile -t judges < /tmp/longsft_table5_gpu/judges.txt
+  mkdir -p /tmp/longsft_table5_gpu && printf '%s\n' "${judges[@]}" | sed '/^$/d' > /tmp/longsft_table5_gpu/judges.txt
   judge_args=()
-  for j in "${judges[@]}"; do judge_args+=(--judge-model "$j"); done
-  if [ ${#judge_args[@]} -gt 0 ]; then
+  for j in "${judges[@]}"; do [ -n "$j" ] && judge_args+=(--judge-model "$j"); done
+  if [ -f /tmp/longsft_table5_gpu/mma.jsonl ]; then
+    echo "MMA data made: no judges needed"
+  elif [ ${#judge_args[@]} -gt 0 ]; then
     echo "MMA judges: ${judges[*]}"
   else
     echo "MMA judges: none from learn.py on this machine: table5_mini.py trains its own first (--judge-steps)" >&2
   fi
-  timeout -s TERM -k 30 "$LIMIT" python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu \
-    "${judge_args[@]}" "$@"
-  rc=$?
-  if [ -n "${OUT:-}" ]; then cp bench/results/table5_mini.json /tmp/longsft_table5_gpu/table5.md "$OUT"/ 2>/dev/null || true; fi
-  keep /tmp/longsft_table5_gpu table5_state
-  exit $rc
+  run /tmp/longsft_table5_gpu table5_state table5_mini \
+    python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "${judge_args[@]}" "$@"
+  exit $?
 fi
-timeout -s TERM -k 30 "$LIMIT" python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"
-rc=$?
-if [ -n "${OUT:-}" ]; then cp bench/results/learn_gpu.json /tmp/longsft_learn_gpu/report.md "$OUT"/ 2>/dev/null || true; fi
-keep /tmp/longsft_learn_gpu learn_state
-exit $rc
+restore /tmp/longsft_learn_gpu learn_state
+run /tmp/longsft_learn_gpu learn_state learn_gpu \
+  python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"

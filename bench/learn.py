@@ -42,9 +42,11 @@ from pathlib import Path
 from longsft.eval.report import compare, paired
 from longsft.train.common.errors import ConfigError
 from longsft.train.config.recipes import load_config
+from longsft.train.training.tracker import latest_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, write_result
+from restore import retrain, weightless
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,6 +115,52 @@ def answers(path: Path) -> dict[str, int]:
             "faithful": sum(j.valid and not j.hallucinated for j in js), "invalid": sum(not j.valid for j in js)}
 
 
+EVALS = ("base", "first", "final", "vote")
+# result field: (A, B, invalid policy) of the paired difference B - A
+DELTAS = {"final_minus_base": ("base", "final", None), "vote_minus_base": ("base", "vote", None),
+          "final_minus_first_stage": ("first", "final", None),
+          # every invalid answer read as "faithful" in both runs: a model that only learnt the answer format
+          # gains nothing here (a base model that never answers scores BA 0.5)
+          "final_minus_base_invalid_as_faithful": ("base", "final", "faithful")}
+
+
+def summary(out: Path, args: argparse.Namespace, model: str, overrides: list[str], wall: dict,
+            machine: dict) -> dict:
+    """The results file's record of what the run under ``out`` has done so far: the test evaluations and
+    their paired differences that exist, the learning curve logged so far, each phase's wall time;
+    ``complete`` once all four evaluations are there. Written after every phase, so that a run cut off
+    keeps what it measured."""
+    ev, run = out / "eval", out / "run"
+    evals = {k: json.loads((ev / k / "eval.json").read_text()) for k in EVALS if (ev / k / "eval.json").exists()}
+    state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
+    metrics = latest_metrics(run) if (run / "metrics.jsonl").exists() else []
+    curve = []
+    for m in metrics:
+        if m["kind"] == "val":
+            val = run / "stages" / m["stage"] / "val" / f"step_{m['step']:07d}.jsonl"
+            curve.append({**{k: m.get(k) for k in ("stage", "step", "balanced_accuracy", "mcc", "invalid_rate",
+                                                    "val_loss", "decision_auc", "decision_log_odds")},
+                          "answers": answers(val) if val.exists() else None})
+    return {
+        "benchmark": "learn", "complete": len(evals) == len(EVALS), "model": model, "ranks": args.ranks,
+        "recipe": "smollm2_135m", "overrides": overrides,
+        "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
+                 "test": args.test, "languages": ["en"], "balanced": True, "edits": args.edits},
+        "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
+                     "ci": e["scores"][0].get("ci"), "invalid_rate": e["scores"][0]["invalid_rate"], "n": e["n"]}
+                 for k, e in evals.items()},
+        **{name: delta(ev / a, ev / b, policy) for name, (a, b, policy) in DELTAS.items() if a in evals and b in evals},
+        "goal": ({"test_ba_ci_low_above": 0.55, "d_ba_invalid_as_fixed_label": 0.10, "p": 0.01, "n": 400} if args.gpu
+                 else {"d_ba": 0.15, "p": 0.01, "n": 200, "wall_s": 45 * 60}),
+        "validation_curve": curve,
+        "train_loss": [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)}
+                       for m in metrics if m["kind"] == "train"],
+        "stage_seconds": {n: round(st.get("seconds", 0.0), 1) for n, st in state["stages"].items()},
+        "stage_status": {n: st["status"] for n, st in state["stages"].items()},
+        "wall_s": {k: round(v, 1) for k, v in wall.items()}, "wall_s_total": round(sum(wall.values()), 1),
+        "machine": machine}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="working folder (data, run, evals, logs; default runs/learn[_gpu])")
@@ -168,16 +216,22 @@ def main() -> None:
     log = out / "log.txt"
     wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}  # phases done before
 
+    machine = describe()
+
     def timed(phase: str, seconds: float) -> None:  # kept across reruns: a rerun skips the phases done
         if seconds:
             wall[phase] = wall.get(phase, 0) + seconds
             (out / "wall.json").write_text(json.dumps(wall))
+            write_result(args.json, summary(out, args, model, [*train_keys, *overrides], wall, machine), quiet=True)
     data_dir = out / "data" / args.edits  # a rerun with the other kind of edits makes its own data
     timed("data", data(data_dir, {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log,
                        model, args.edits))
     test = data_dir / "512" / "test.jsonl"
     timed("eval_base", evaluate(model, test, out / "eval" / "base", log, eval_keys))
     run = out / "run"
+    if weightless(run) and not all((out / "eval" / k / "eval.json").exists() for k in ("first", "final")):
+        # restored from gpu_learn.sh's archive on a fresh machine: no weights to evaluate
+        retrain(run, [out / "eval" / k for k in ("first", "final", "vote")])
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
     if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
         timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -187,6 +241,10 @@ def main() -> None:
                             f"data.validation_file={data_dir}/{{bucket}}/validation.jsonl",
                             "logging.progress=false", *train_keys, *overrides], log))
     state = json.loads((run / "state.json").read_text())
+    unfinished = [n for n, st in state["stages"].items() if st["status"] != "done"]
+    if unfinished:  # stopped by a STOP file or a signal, which exit 0: its checkpoints are not the stages' best
+        sys.exit(f"bench/learn.py: training stopped before stage(s) {', '.join(unfinished)} finished; "
+                 f"rerun the same command to resume ({log})")
     stages = list(state["stages"])
     timed("eval_first", evaluate(str(run / "stages" / stages[0] / "best"), test, out / "eval" / "first", log, eval_keys))
     if len(stages) == 1 and not (out / "eval" / "final").exists():  # one stage: its best is also the final
@@ -196,35 +254,9 @@ def main() -> None:
     if not (out / "eval" / "vote" / "eval.json").exists():
         sh([*CLI, "vote", str(out / "eval" / "base"), str(out / "eval" / "first"), str(out / "eval" / "final"),
             "--out", str(out / "eval" / "vote"), "--name", "vote"], log)
-    evals = {k: json.loads((out / "eval" / k / "eval.json").read_text()) for k in ("base", "first", "final", "vote")}
     ev = out / "eval"
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    curve = [{**{k: m.get(k) for k in ("stage", "step", "balanced_accuracy", "mcc", "invalid_rate", "val_loss",
-                                        "decision_auc", "decision_log_odds")},
-              "answers": answers(run / "stages" / m["stage"] / "val" / f"step_{m['step']:07d}.jsonl")}
-             for m in metrics if m["kind"] == "val"]
-    losses = [{"stage": m["stage"], "step": m["step"], "loss": round(m["loss"], 4)} for m in metrics if m["kind"] == "train"]
-    total = sum(wall.values())
-    result = {
-        "benchmark": "learn", "model": model, "ranks": args.ranks, "recipe": "smollm2_135m",
-        "overrides": [*train_keys, *overrides],
-        "data": {"train": {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, "validation_per_bucket": args.val,
-                 "test": args.test, "languages": ["en"], "balanced": True, "edits": args.edits},
-        "test": {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
-                     "ci": e["scores"][0].get("ci"), "invalid_rate": e["scores"][0]["invalid_rate"], "n": e["n"]}
-                 for k, e in evals.items()},
-        "final_minus_base": delta(ev / "base", ev / "final"),
-        "vote_minus_base": delta(ev / "base", ev / "vote"),
-        "final_minus_first_stage": delta(ev / "first", ev / "final"),
-        # every invalid answer read as "faithful" in both runs: a model that only learnt the answer format
-        # gains nothing here (a base model that never answers scores BA 0.5)
-        "final_minus_base_invalid_as_faithful": delta(ev / "base", ev / "final", "faithful"),
-        "goal": ({"test_ba_ci_low_above": 0.55, "d_ba_invalid_as_fixed_label": 0.10, "p": 0.01, "n": 400} if args.gpu
-                 else {"d_ba": 0.15, "p": 0.01, "n": 200, "wall_s": 45 * 60}),
-        "validation_curve": curve, "train_loss": losses,
-        "stage_seconds": {n: round(s["seconds"], 1) for n, s in state["stages"].items()},
-        "wall_s": {k: round(v, 1) for k, v in wall.items()}, "wall_s_total": round(total, 1),
-        "machine": describe()}
+    result = summary(out, args, model, [*train_keys, *overrides], wall, machine)
+    total = result["wall_s_total"]
     lines = ["| run | BA [95% CI] | MCC | invalid |", "|---|---|---:|---:|"]
     for k, m in result["test"].items():
         ci = (m.get("ci") or {}).get("balanced_accuracy") or {}

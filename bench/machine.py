@@ -47,11 +47,16 @@ def nominal_bf16_tflops(gpu_name: str) -> float | None:
     return None
 
 
-def write_result(name: str, result: dict) -> None:
-    """``bench/results/<name>.json`` (the machine described), and say where."""
+def write_result(name: str, result: dict, quiet: bool = False) -> None:
+    """``bench/results/<name>.json`` (the machine described), and say where (``quiet``: not). Written whole or
+    not at all (a temporary file renamed): a run cut off while it rewrites its partial results keeps the last."""
     import json
+    import os
     from pathlib import Path
 
     out = Path(__file__).parent / "results" / f"{name}.json"
-    out.write_text(json.dumps({**result, "machine": result.get("machine") or describe()}, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps({**result, "machine": result.get("machine") or describe()}, indent=2) + "\n")
+    os.replace(tmp, out)
+    if not quiet:
+        print(f"\nwrote {out}")

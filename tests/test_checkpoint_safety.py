@@ -214,3 +214,28 @@ def test_export_keeps_training_config_in_memory(tmp_path, tiny_model_dir, tokeni
     assert json.loads((tmp_path / "best" / "generation_config.json").read_text()).get("use_cache", True) is True
     for p in (tmp_path / "best", *(tmp_path / "best").iterdir()):
         assert p.stat().st_mode & 0o777 == (0o777 if p.is_dir() else 0o666) & ~UMASK, p
+
+
+def test_a_run_restored_without_weights_is_set_aside_with_its_evaluations(tmp_path, monkeypatch):
+    """bench/restore.py (a GPU run's state archive on a fresh machine): a run folder with a state but no
+    weights is weightless, one with a checkpoint or exported weights is not; retraining renames the run and
+    its evaluations (nothing deleted), twice without clobbering the first."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    from restore import retrain, weightless
+
+    run, ev = tmp_path / "run", tmp_path / "eval" / "first"
+    (run / "stages" / "a").mkdir(parents=True)
+    (run / "state.json").write_text("{}")
+    ev.mkdir(parents=True)
+    (ev / "generations.jsonl").write_text("{}\n")
+    assert weightless(run) and not weightless(tmp_path / "absent")
+    (run / "stages" / "a" / "model.safetensors").write_bytes(b"x")
+    assert not weightless(run)
+    (run / "stages" / "a" / "model.safetensors").unlink()
+    retrain(run, [ev, tmp_path / "eval" / "never"])
+    assert not run.exists() and (tmp_path / "run.restored" / "state.json").exists()
+    assert (tmp_path / "eval" / "first.restored" / "generations.jsonl").exists()
+    run.mkdir()
+    (run / "state.json").write_text("{}")
+    retrain(run, [])
+    assert (tmp_path / "run.restored-1" / "state.json").exists() and (tmp_path / "run.restored").exists()

@@ -14,6 +14,7 @@ from conftest import ROOT, TEST_OVERRIDES, assert_same_run, free_port, skip_or_f
 from safetensors.torch import load_file
 
 from longsft.train.training.checkpoint import complete_tags, latest_resume
+from longsft.train.training.tracker import latest_metrics
 
 LAUNCH = str(ROOT / "launch" / "curriculum.py")
 # stage c trains with lr 0 from b's best: its output must be b's best, bit for bit
@@ -23,6 +24,20 @@ HANDOFF = TEST_OVERRIDES[:-1] + [
 
 def _state(run_dir):
     return json.loads((run_dir / "state.json").read_text())
+
+
+def test_latest_metrics_keeps_the_newest_record_per_step(tmp_path):
+    """A resumed run re-logs the steps after its checkpoint, a kill can cut a line: one record per
+    (stage, kind, step), the newest, in first-logged order; the cut line skipped."""
+    recs = [{"kind": "train", "stage": "a", "step": 1, "loss": 3.0}, {"kind": "train", "stage": "a", "step": 2, "loss": 2.0},
+            {"kind": "val", "stage": "a", "step": 2, "balanced_accuracy": 0.5}]
+    again = [{"kind": "train", "stage": "a", "step": 2, "loss": 1.5}, {"kind": "val", "stage": "a", "step": 2,
+                                                                       "balanced_accuracy": 0.6}]
+    lines = [json.dumps(r) for r in recs] + ['{"kind": "train", "sta'] + [json.dumps(r) for r in again]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    got = latest_metrics(tmp_path)
+    assert [(r["kind"], r["step"]) for r in got] == [("train", 1), ("train", 2), ("val", 2)]
+    assert got[1]["loss"] == 1.5 and got[2]["balanced_accuracy"] == 0.6
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,7 @@ from longsft.train.common.io import atomic_write_json, atomic_write_text
 from longsft.train.scoring.metrics import score_items
 from longsft.train.scoring.score import load_predictions
 from longsft.train.training.rundir import read_state
-from longsft.train.training.tracker import read_metrics
-
-
-def _dedupe(records: list[dict]) -> list[dict]:
-    """A resumed run re-logs steps after its last checkpoint: keep the newest record per step."""
-    seen: dict[tuple, dict] = {}
-    for r in records:
-        seen[(r["stage"], r["kind"], r["step"])] = r
-    return list(seen.values())
+from longsft.train.training.tracker import latest_metrics
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -25,7 +17,7 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 
 def write_report(run_dir: Path, state: dict) -> None:
-    records = _dedupe(read_metrics(run_dir))
+    records = latest_metrics(run_dir)
     plots = _plots(run_dir, records, list(state["stages"]))
     lines = [f"# longsft run: {state['recipe']}", "",
              "| stage | status | steps | best step | BA | MCC | invalid | decision AUC | val loss | train samples (trunc/skip) | time |",

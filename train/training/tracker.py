@@ -92,6 +92,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [rec for _, rec in iter_jsonl(run_dir / "metrics.jsonl", log=True)]
 
 
+def latest_metrics(run_dir: Path) -> list[dict]:
+    """:func:`read_metrics` with one record per (stage, kind, step), the newest: a resumed run re-logs the
+    steps after its last checkpoint. In first-logged order."""
+    seen: dict[tuple, dict] = {}
+    for r in read_metrics(run_dir):
+        seen[(r["stage"], r["kind"], r["step"])] = r
+    return list(seen.values())
+
+
 def _decision(auc: float | None, lean: float | None) -> str:
     """`` decision AUC=0.696 lean=+0.28`` for the log line, or nothing where there is none."""
     return "" if auc is None or lean is None else f" decision AUC={auc:.3f} lean={lean:+.2f}"
