@@ -4,7 +4,7 @@
 # machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
 #            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json;
 #                                                              its MMA judges: learn.py's checkpoint if it ran,
-#                                                              else one it trains first, 200 steps)
+#                                                              else two it trains first, 200 steps each)
 # Every phase of both resumes: a run cut off goes on where it stopped when run again on the same machine.
 # LIMIT (seconds, default 530): the run's own limit, after which it is stopped by SIGTERM and its results
 # copied to $OUT. It must end before the device call does: a call's limit is its timeout_s or the session's
@@ -93,7 +93,7 @@ for b in dict.fromkeys(b for b in best[-1:] + best[:1] if os.path.isdir(b)): pri
   elif [ ${#judge_args[@]} -gt 0 ]; then
     echo "MMA judges: ${judges[*]}"
   else
-    echo "MMA judges: none from learn.py on this machine: table5_mini.py trains its own first (--judge-steps)" >&2
+    echo "MMA judges: none from learn.py on this machine: table5_mini.py trains its own first (--judges, --judge-steps)" >&2
   fi
   run /tmp/longsft_table5_gpu table5_state table5_mini \
     python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "${judge_args[@]}" "$@"

@@ -10,15 +10,17 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
 1. ``longsft data sample``: English articles with a faithful summary each (source ``human``);
 2. ``longsft data erhg``: their entity-referenced hallucinated edits (source ``erhg``; the rule engine);
 3. ``longsft data mma``: summaries by a generator model, scored by two judges and an arbiter, every one
-   a real model served by ``longsft serve`` (SmolLM2-135M-Instruct; source ``mma``). With one model to
-   hand, judge A decodes greedily and judge B samples (``JUDGE_B``: temperature 0.7, a fixed seed), so
-   their agreement is measured rather than given; a judge's reply without a score is re-asked with the
+   a real model served by ``longsft serve`` (SmolLM2-135M-Instruct; source ``mma``). With two judge
+   models both decode greedily; with one, judge A decodes greedily and judge B samples (``JUDGE_B``:
+   temperature 0.7, a fixed seed), so their agreement is measured rather than given (the server takes
+   sampled requests one at a time); a judge's reply without a score is re-asked with the
    complaint and the format. The base 135M model rarely states a score (the CPU smoke: 7 of 8
    summaries unjudged), so ``--judge-model A [B]`` serves other checkpoints for the judges (A is also
    the arbiter; two: both greedy; the flag once per model): ``bench/gpu_learn.sh table5`` passes the checkpoints
    ``learn.py --gpu`` trained (its first stage's and its latest stage's best) when there are any; without the
-   flag it first trains one itself (``--judge-steps``: CPU 120, GPU 200, smoke 0: :func:`train_judge`,
-   OUT/judge), so that a GPU allocation of its own, without learn.py's checkpoint, still has judges. Every
+   flag it first trains them itself (``--judge-steps``: CPU 120, GPU 200, smoke 0; ``--judges``: CPU 1, GPU
+   2, on data and in an order of their own: :func:`train_judge`, OUT/judge and OUT/judge_b), so that a GPU
+   allocation of its own, without learn.py's checkpoint, still has judges. Every
    server batches greedy requests (``longsft serve batch=N``) and ``data mma`` keeps N articles in
    flight (``--concurrency``);
 4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
@@ -72,6 +74,7 @@ SIZES = {"smoke": {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply
                  "transfer": 200, "epochs": 4}}
 START_S = 300  # seconds longsft serve may take to load its model and say where it listens
 JUDGE_B = "temperature=0.7,seed=1"  # the second judge's sampling (an endpoint option: Endpoint.parse)
+JUDGE_RUNS = {"judge": 7, "judge_b": 8}  # the judges this script trains: folder, seed of their data and order
 
 
 def stage(epochs: int) -> str:
@@ -202,10 +205,11 @@ def arm_state(run: Path) -> dict | None:
             "best": {k: best.get(k) for k in ("step", "balanced_accuracy", "mcc", "decision_auc")} if best else None}
 
 
-def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False,
-                needed: bool = True) -> tuple[str, dict | None]:
-    """Train the MMA judges' checkpoint under ``out`` (resumes): ``steps`` stratified steps of 4 samples on
-    counterfactual data (English, 512 bucket, other articles than the ablation's: seed 7), one rank, ZeRO-2,
+def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False, needed: bool = True,
+                seed: int = 7) -> tuple[str, dict | None]:
+    """Train an MMA judge's checkpoint under ``out`` (resumes): ``steps`` stratified steps of 4 samples on
+    counterfactual data (English, 512 bucket, other articles than the ablation's: ``seed`` draws them and
+    their order), one rank, ZeRO-2,
     lr 1e-4, validation on 48 items every half (``gpu``: every quarter, in batches); bf16 on a GPU and where
     this CPU has a fast bf16 path, else fp32 (``bench/cpu_bf16.py``). The settings of the run that gave the
     smoke's trained judges (docs/benchmarks.md); at 200 steps, those of the CPU learning runs that learned
@@ -222,7 +226,7 @@ def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False,
             retrain(run, [])
         if not (data / "512" / "validation.jsonl").exists():
             sh([*CLI, "data", "sample", "--out", str(data), "--languages", "en", "--balanced", "--buckets", "512",
-                "--n", str(4 * steps), "--n-validation", "48", "--seed", "7", "--edits", "counterfactual",
+                "--n", str(4 * steps), "--n-validation", "48", "--seed", str(seed), "--edits", "counterfactual",
                 "--tokenizer", model], log)
         if not state.exists() or any(s["status"] != "done" for s in json.loads(state.read_text())["stages"].values()):
             stage = f"stages=[{{name: s512, bucket: '512', seq_len: 768, epochs: 1, max_steps: {steps}, " \
@@ -233,14 +237,15 @@ def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False,
                 f"data.validation_file={data}/{{bucket}}/validation.jsonl",
                 "logging.progress=false", "data.stratify=true", "parallel.sp_size=1", "deepspeed.config=zero2",
                 f"model.dtype={dtype}", "model.gradient_checkpointing=false", "optim.grad_accum=4", "optim.lr=1e-4",
-                "validation.max_samples=48", "seed=7", stage, *(["validation.batch_tokens=65536"] if gpu else [])],
+                "validation.max_samples=48", f"seed={seed}", stage,
+                *(["validation.batch_tokens=65536"] if gpu else [])],
                log)
             finished(run, log)
     if not state.exists():  # not needed, and none trained here
         return best, None
     metrics = latest_metrics(run)
     done = json.loads(state.read_text())["stages"]["s512"]
-    info = {"steps": steps, "dtype": dtype, "seconds": round(done.get("seconds", 0.0), 1),
+    info = {"steps": steps, "seed": seed, "dtype": dtype, "seconds": round(done.get("seconds", 0.0), 1),
             "validation": [{k: m.get(k) for k in ("step", "balanced_accuracy", "mcc", "decision_auc")}
                            for m in metrics if m["kind"] == "val"]}
     return best, info
@@ -298,8 +303,11 @@ def main() -> None:
                     help="an MMA judge's model, once or twice (a checkpoint folder or GGUF file; default --model); "
                          "the first is also the arbiter")
     ap.add_argument("--judge-steps", type=int, default=None,
-                    help="without --judge-model: train the judges' checkpoint for this many steps first (CPU 120, "
+                    help="without --judge-model: train the judges' checkpoints for this many steps first (CPU 120, "
                          "--gpu 200: the base model rarely states a score; --smoke 0: the base model judges)")
+    ap.add_argument("--judges", type=int, choices=(1, 2), default=None,
+                    help="how many judges to train (CPU and --smoke 1: judge B samples from judge A's model; "
+                         "--gpu 2: both greedy, each on data and in an order of its own)")
     a, extra = ap.parse_known_args()
     if a.judge_steps is not None and a.judge_steps < 0:
         ap.error(f"--judge-steps {a.judge_steps}: 0 (the base model judges) or more")
@@ -384,9 +392,13 @@ def main() -> None:
         sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
         done("erhg")
     steps = a.judge_steps if a.judge_steps is not None else {"cpu": 120, "gpu": 200, "smoke": 0}[mode]
+    count = a.judges or (2 if a.gpu else 1)
     if not a.judge_model and steps > 0:  # (once the MMA data are made, only reported)
-        checkpoint, judge = train_judge(out / "judge", a.model, steps, log, gpu=a.gpu, needed=not mma.exists())
-        a.judge_model = [checkpoint]
+        found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=not mma.exists(), seed=seed)
+                 for folder, seed in list(JUDGE_RUNS.items())[:count]]
+        found = [(best, info) for best, info in found if info is not None or not mma.exists()]
+        a.judge_model = [best for best, _ in found]
+        judge = [info for _, info in found]
         done("judge")
     if not mma.exists():
         with contextlib.ExitStack() as stack:
