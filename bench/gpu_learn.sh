@@ -48,8 +48,8 @@ restore() {  # restore DIR NAME: DIR from .carry/NAME.tgz where DIR is not on th
   rm -rf "$1.partial" && mkdir -p "$1.partial" && tar xzf ".carry/$2.tgz" -C "$1.partial" 2>/dev/null \
     && mv "$1.partial" "$1" || { rm -rf "$1.partial"; echo ".carry/$2.tgz: not a whole state archive" >&2; exit 2; }
   echo "restored $1 from .carry/$2.tgz (no weights: bench/restore.py)"
-  if [ -d "$1/arms" ] || [ -f "$1/sizes.json" ]; then  # Table 5's: the MMA phase's answers come from its judges,
-    # which were on the other machine: an unfinished MMA phase starts over, with judges chosen here
+  if [ "$2" = table5_state ]; then  # the MMA phase's answers come from its judges, which were on the other
+    # machine: an unfinished MMA phase starts over, with judges chosen here
     [ -f "$1/mma.jsonl" ] || rm -f "$1/mma.jsonl.cache.jsonl" "$1/judges.txt"
   fi
   return 0
