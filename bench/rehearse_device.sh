@@ -15,7 +15,7 @@
 # /tmp a folder of its own, LONGSFT_DEVICE_TMP; a fresh checkout; $OUT an empty folder per call; nothing
 # on PYTHONPATH): A brings the model and wheels in two calls (bench/gpu_carry.sh) and runs gpu_learn.sh
 # (learn.py --gpu at a handful of samples); B does the same on a fresh machine and runs gpu_learn.sh table5
-# (table5_mini.py --gpu --smoke, judges trained 4 steps) under a LIMIT that cuts it off; C, a third fresh
+# (table5_mini.py --gpu --smoke, judges trained 2 steps) under a LIMIT that cuts it off; C, a third fresh
 # machine, carries B's table5_state.tgz back in and finishes it. Each must leave what the docs promise in
 # $OUT. Without an argument: both. What it cannot check: anything that needs the GPU itself.
 set -euo pipefail
@@ -69,7 +69,7 @@ dev=$WORK/machine  # the device machine's /tmp: what a warm machine keeps betwee
 carried=$WORK/carried  # what the calls carry: the wheels, the model's parts, a state archive
 mkdir -p "$carried/.carry" && cp -r "$repo/.whl" "$carried/" && cp "$repo/.carry/part1" "$repo/.carry/part2" "$carried/.carry/"
 learn_args="--n-512 8 --n-1k 4 --n-2k 4 --val 2 --test 4"
-table5_args="--smoke --judge-steps 4"
+table5_args="--smoke --judge-steps 2"
 
 allocation() {  # allocation NAME: a fresh machine and checkout, and the two calls that bring the model there
   rm -rf "$dev" "$WORK/$1" && mkdir -p "$dev" && git clone -q "$WORK" "$WORK/$1" || return 1
@@ -97,7 +97,7 @@ check learn_call call a "$WORK/a.out3" "" "LIMIT=900 bash bench/gpu_learn.sh $le
 check learn_out holds "$WORK/a.out3/learn_gpu.json" complete true
 check learn_state test -s "$WORK/a.out3/learn_state.tgz"
 check alloc_b allocation b
-check table5_cut cut_off call b "$WORK/b.out3" "" "LIMIT=${CUT:-840} bash bench/gpu_learn.sh table5 $table5_args"
+check table5_cut cut_off call b "$WORK/b.out3" "" "LIMIT=${CUT:-780} bash bench/gpu_learn.sh table5 $table5_args"
 check table5_partial holds "$WORK/b.out3/table5_mini_gpu_smoke.json" complete false
 cp "$WORK/b.out3/table5_state.tgz" "$carried/.carry/"  # (a user puts it in .carry/)
 check alloc_c allocation c

@@ -209,11 +209,12 @@ def arm_state(run: Path) -> dict | None:
 
 
 def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False, needed: bool = True,
-                seed: int = 7) -> tuple[str, dict | None]:
+                seed: int = 7, val_items: int = 48) -> tuple[str, dict | None]:
     """Train an MMA judge's checkpoint under ``out`` (resumes): ``steps`` stratified steps of 4 samples on
     counterfactual data (English, 512 bucket, other articles than the ablation's: ``seed`` draws them and
     their order), one rank, ZeRO-2,
-    lr 1e-4, validation on 48 items every half (``gpu``: every quarter, in batches); bf16 on a GPU and where
+    lr 1e-4, validation on ``val_items`` of 48 items (the smoke: 8) every half (``gpu``: every quarter, in
+    batches); bf16 on a GPU and where
     this CPU has a fast bf16 path, else fp32 (``bench/cpu_bf16.py``). The settings of the run that gave the
     smoke's trained judges (docs/benchmarks.md); at 200 steps, those of the CPU learning runs that learned
     (docs/training.md). Returns the best checkpoint and the run's validations and wall seconds (None: no
@@ -240,7 +241,7 @@ def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False,
                 f"data.validation_file={data}/{{bucket}}/validation.jsonl",
                 "logging.progress=false", "data.stratify=true", "parallel.sp_size=1", "deepspeed.config=zero2",
                 f"model.dtype={dtype}", "model.gradient_checkpointing=false", "optim.grad_accum=4", "optim.lr=1e-4",
-                "validation.max_samples=48", f"seed={seed}", stage,
+                f"validation.max_samples={val_items}", f"seed={seed}", stage,
                 *(["validation.batch_tokens=65536"] if gpu else [])],
                log)
             finished(run, log)
@@ -400,7 +401,8 @@ def main() -> None:
     steps = a.judge_steps if a.judge_steps is not None else {"cpu": 120, "gpu": 200, "smoke": 0}[mode]
     count = a.judges or (2 if a.gpu else 1)
     if not a.judge_model and steps > 0:  # (once the MMA data are made, only reported)
-        found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=not mma.exists(), seed=seed)
+        found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=not mma.exists(), seed=seed,
+                             val_items=8 if a.smoke else 48)
                  for folder, seed in list(JUDGE_RUNS.items())[:count]]
         found = [(best, info) for best, info in found if info is not None or not mma.exists()]
         a.judge_model = [best for best, _ in found]
