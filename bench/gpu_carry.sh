@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-FIRST=36000000  # bytes in part 1: with the 26.5 MB of wheels and the code (1.6 MB) 64.1 MB, part 2 64.0 MB: each under 64 MiB (67.1 MB)
+FIRST=36000000  # bytes in part 1: with the 26.6 MB of wheels and the code (2.0 MB) 64.5 MB, part 2 64.3 MB: each under 64 MiB (67.1 MB; split checks)
 DEST=${LONGSFT_DEVICE_TMP:-/tmp}/longsft_carry  # (LONGSFT_DEVICE_TMP: bench/rehearse_device.sh rehearses elsewhere)
 
 case "${1:-}" in
@@ -26,6 +26,16 @@ case "${1:-}" in
     head -c "$FIRST" "$src" > .carry/part1
     tail -c +"$((FIRST + 1))" "$src" > .carry/part2
     ls -l .carry
+    # each call also carries the working tree (the files git does not ignore): call 1 with the wheels and
+    # part 1, call 2 with part 2, each at most 64 MiB; refused here rather than on the device
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+    whl=$(cat .whl/*.whl 2>/dev/null | wc -c)
+    [ "$whl" -gt 0 ] || echo "no .whl/ yet (bash bench/gpu_wheels.sh): call 1's size counts none" >&2
+    for call in "1 $((tree + whl + FIRST))" "2 $((tree + $(wc -c < .carry/part2)))"; do
+      set -- $call
+      echo "call $1 carries $2 bytes (at most 67108864)"
+      [ "$2" -le 67108864 ] || { echo "bench/gpu_carry.sh: call $1 would carry $2 bytes, over 64 MiB: move files out of the working tree or lower FIRST" >&2; exit 2; }
+    done
     ;;
   receive)
     mkdir -p "$DEST"
