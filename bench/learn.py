@@ -27,7 +27,8 @@ default, batch 4 at lr 1e-4 (the fifth CPU run's, which learned), the evaluation
 
 Trailing key=value settings go to the training run (e.g. ``optim.lr=2e-4``). Prints a table and
 writes bench/results/learn.json (the learning curve, each phase's wall time, the machine) and
-OUT/report.md. Every phase resumes: a rerun skips what is done.
+OUT/report.md. Every phase resumes: a rerun skips what is done (the seconds of a phase stopped by SIGTERM
+count in ``wall_s.cut_off``: ``bench/wall.py``).
 """
 
 import argparse
@@ -47,6 +48,7 @@ from longsft.train.training.tracker import latest_metrics
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, write_result
 from restore import retrain, weightless
+from wall import count_cut_off
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,8 +219,11 @@ def main() -> None:
     wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}  # phases done before
 
     machine = describe()
+    last = {"end": time.time()}  # the last phase's end: a phase stopped by SIGTERM counts in wall_s.cut_off
+    count_cut_off(out / "wall.json", lambda: last["end"])
 
     def timed(phase: str, seconds: float) -> None:  # kept across reruns: a rerun skips the phases done
+        last["end"] = time.time()
         if seconds:
             wall[phase] = wall.get(phase, 0) + seconds
             (out / "wall.json").write_text(json.dumps(wall))

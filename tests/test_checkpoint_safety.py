@@ -8,6 +8,9 @@ import json
 import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -239,3 +242,21 @@ def test_a_run_restored_without_weights_is_set_aside_with_its_evaluations(tmp_pa
     (run / "state.json").write_text("{}")
     retrain(run, [])
     assert (tmp_path / "run.restored-1" / "state.json").exists() and (tmp_path / "run.restored").exists()
+
+
+def test_a_run_stopped_by_sigterm_counts_its_cut_phase(tmp_path):
+    """bench/wall.py: a benchmark stopped by SIGTERM (gpu_learn.sh's LIMIT) adds the seconds since its last
+    finished phase to wall.json's cut_off, keeps the phases it had, twice adds up, and still ends by the
+    signal (its status: -SIGTERM)."""
+    wall = tmp_path / "wall.json"
+    wall.write_text(json.dumps({"data": 1.5}))
+    script = (f"import sys, time; sys.path.insert(0, {str(ROOT / 'bench')!r}); from wall import count_cut_off\n"
+              f"from pathlib import Path; mark = time.time() - 2.0\n"
+              f"count_cut_off(Path({str(wall)!r}), lambda: mark); print('ready', flush=True); time.sleep(60)\n")
+    for expected in (2.0, 4.0):
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        got = json.loads(wall.read_text())
+        assert got["data"] == 1.5 and expected <= got["cut_off"] < expected + 10, got
