@@ -13,12 +13,19 @@
 # from outside returns what was measured up to then.
 # On a fresh machine (a later allocation), a run goes on from the state a cut-off one returned: put its
 # learn_state.tgz / table5_state.tgz (from $OUT) in .carry/ here and name it in the call's carry list. The
-# archive holds no weights: what it finished (data, MMA data, evaluations) is kept, a training run not yet
-# evaluated is trained again (bench/restore.py), an unfinished MMA phase starts over.
+# archive holds no weights, and for learn.py no data (made again, the same files: seeded): what it finished
+# (Table 5's data and MMA data, evaluations) is kept, a training run not yet evaluated is trained again
+# (bench/restore.py), an unfinished MMA phase starts over. `table5 --smoke` has a folder and archive of its
+# own (table5_smoke_state.tgz): a smoke run never meets the full run's state.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-TMP=${LONGSFT_DEVICE_TMP:-/tmp}  # the warm machine's folder outside the checkout (a rehearsal sets another)
-DEST=$TMP/longsft_carry LEARN=$TMP/longsft_learn_gpu T5=$TMP/longsft_table5_gpu
+# the warm machine's folder outside the checkout (a rehearsal sets another); as Python resolves it, so that
+# the run's trainers are found by their run_dir below
+TMP=$(realpath -m "${LONGSFT_DEVICE_TMP:-/tmp}")
+DEST=$TMP/longsft_carry LEARN=$TMP/longsft_learn_gpu T5=$TMP/longsft_table5_gpu T5_STATE=table5_state
+for arg in "$@"; do
+  if [ "$arg" = --smoke ]; then T5=${T5}_smoke T5_STATE=table5_smoke_state; fi
+done
 MODEL=$DEST/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$MODEL" ] || { echo "no model at $MODEL: run bench/gpu_carry.sh receive first (see its header)" >&2; exit 2; }
 site=$(mktemp -d)
@@ -53,7 +60,7 @@ restore() {  # restore DIR NAME: DIR from .carry/NAME.tgz where DIR is not on th
   rm -rf "$1.partial" && mkdir -p "$1.partial" && tar xzf ".carry/$2.tgz" -C "$1.partial" 2>/dev/null \
     && mv "$1.partial" "$1" || { rm -rf "$1.partial"; echo ".carry/$2.tgz: not a whole state archive" >&2; exit 2; }
   echo "restored $1 from .carry/$2.tgz (no weights: bench/restore.py)"
-  if [ "$2" = table5_state ]; then  # the MMA phase's answers come from its judges, which were on the other
+  if [ "$2" = "$T5_STATE" ]; then  # the MMA phase's answers come from its judges, which were on the other
     # machine: an unfinished MMA phase starts over, with judges chosen here
     [ -f "$1/mma.jsonl" ] || rm -f "$1/mma.jsonl.cache.jsonl" "$1/judges.txt"
   fi
@@ -81,14 +88,14 @@ run() {  # run DIR NAME COMMAND...: COMMAND under LIMIT, kept to $OUT every 30 s
 
 if [ "${1:-}" = table5 ]; then
   shift
-  restore "$T5" table5_state
+  restore "$T5" "$T5_STATE"
   # the MMA judges: the checkpoints learn.py --gpu trained (its latest finished stage's best and its first
   # stage's best), when it ran first on this machine: only stages it finished (a stage cut off has a best
-  # from before its labels settled)
-  mapfile -t judges < <(python3 -c 'import json, os, sys
+  # from before its labels settled) and with weights here (not restored from an archive)
+  mapfile -t judges < <(python3 -c 'import glob, json, sys
 s = json.load(open(f"{sys.argv[1]}/run/state.json"))["stages"]
 best = [f"{sys.argv[1]}/run/stages/{n}/best" for n, st in s.items() if st["status"] == "done"]
-for b in dict.fromkeys(b for b in best[-1:] + best[:1] if os.path.isdir(b)): print(b)' "$LEARN" 2>/dev/null)
+for b in dict.fromkeys(b for b in best[-1:] + best[:1] if glob.glob(f"{b}/*.safetensors")): print(b)' "$LEARN" 2>/dev/null)
   # once chosen, the same judges on every rerun: MMA's answers so far are cached per judge
   [ -f "$T5/judges.txt" ] && mapfile -t judges < "$T5/judges.txt"
   mkdir -p "$T5" && printf '%s\n' "${judges[@]}" | sed '/^$/d' > "$T5/judges.txt"
@@ -101,7 +108,7 @@ for b in dict.fromkeys(b for b in best[-1:] + best[:1] if os.path.isdir(b)): pri
   else
     echo "MMA judges: none from learn.py on this machine: table5_mini.py trains its own first (--judges, --judge-steps)" >&2
   fi
-  run "$T5" table5_state \
+  run "$T5" "$T5_STATE" \
     python3 bench/table5_mini.py --gpu --model "$MODEL" --out "$T5" "${judge_args[@]}" "$@"
   exit $?
 fi

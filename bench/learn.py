@@ -48,7 +48,7 @@ from longsft.train.training.tracker import latest_metrics
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, write_result
 from restore import retrain, weightless
-from wall import count_cut_off
+from wall import count_cut_off, write_wall
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +226,7 @@ def main() -> None:
         last["end"] = time.time()
         if seconds:
             wall[phase] = wall.get(phase, 0) + seconds
-            (out / "wall.json").write_text(json.dumps(wall))
+            write_wall(out / "wall.json", wall)
             write_result(args.json, summary(out, args, model, [*train_keys, *overrides], wall, machine), quiet=True)
     data_dir = out / "data" / args.edits  # a rerun with the other kind of edits makes its own data
     timed("data", data(data_dir, {"512": args.n_512, "1k": args.n_1k, "2k": args.n_2k}, args.val, args.test, log,

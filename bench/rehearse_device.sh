@@ -16,7 +16,7 @@
 # on PYTHONPATH): A brings the model and wheels in two calls (bench/gpu_carry.sh) and runs gpu_learn.sh
 # (learn.py --gpu at a handful of samples); B does the same on a fresh machine and runs gpu_learn.sh table5
 # (table5_mini.py --gpu --smoke, judges trained 2 steps) under a LIMIT that cuts it off; C, a third fresh
-# machine, carries B's table5_state.tgz back in and finishes it. Each must leave what the docs promise in
+# machine, carries B's table5_smoke_state.tgz back in and finishes it. Each must leave what the docs promise in
 # $OUT. Without an argument: both. What it cannot check: anything that needs the GPU itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -99,9 +99,9 @@ check learn_state test -s "$WORK/a.out3/learn_state.tgz"
 check alloc_b allocation b
 check table5_cut cut_off call b "$WORK/b.out3" "" "LIMIT=${CUT:-780} bash bench/gpu_learn.sh table5 $table5_args"
 check table5_partial holds "$WORK/b.out3/table5_mini_gpu_smoke.json" complete false
-cp "$WORK/b.out3/table5_state.tgz" "$carried/.carry/"  # (a user puts it in .carry/)
+cp "$WORK/b.out3/table5_smoke_state.tgz" "$carried/.carry/"  # (a user puts it in .carry/)
 check alloc_c allocation c
-check table5_resumed call c "$WORK/c.out3" ".carry/table5_state.tgz" "LIMIT=1500 bash bench/gpu_learn.sh table5 $table5_args"
+check table5_resumed call c "$WORK/c.out3" ".carry/table5_smoke_state.tgz" "LIMIT=1500 bash bench/gpu_learn.sh table5 $table5_args"
 check table5_out holds "$WORK/c.out3/table5_mini_gpu_smoke.json" complete true
 check table5_md test -s "$WORK/c.out3/table5.md"
 fi

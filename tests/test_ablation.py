@@ -107,3 +107,17 @@ def test_cli(inputs, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "mma_erhg_10: 1k" in r.stdout and "table5.sweep" in r.stdout
+
+
+def test_the_sweep_file_is_written_last(inputs, tmp_path, monkeypatch):
+    """bench/table5_mini.py resumes by the sweep file: it is written after every set and the manifest, so a
+    run cut off before it makes the arms again rather than reading a manifest that is not there."""
+    import longsft.train.datagen.ablation as ablation
+
+    order = []
+    for name in ("atomic_write_text", "atomic_write_json"):
+        real = getattr(ablation, name)
+        monkeypatch.setattr(ablation, name,
+                            lambda path, *a, _real=real, **k: (order.append(str(path)), _real(path, *a, **k)))
+    build_ablation([inputs], tmp_path / "out", [10], 2, 2, seed=3)
+    assert order[-1].endswith("table5.sweep") and any(p.endswith("manifest.json") for p in order[:-1])

@@ -247,7 +247,7 @@ def test_a_run_restored_without_weights_is_set_aside_with_its_evaluations(tmp_pa
 def test_a_run_stopped_by_sigterm_counts_its_cut_phase(tmp_path):
     """bench/wall.py: a benchmark stopped by SIGTERM (gpu_learn.sh's LIMIT) adds the seconds since its last
     finished phase to wall.json's cut_off, keeps the phases it had, twice adds up, and still ends by the
-    signal (its status: -SIGTERM)."""
+    signal (its status: -SIGTERM), also where the file cannot be read."""
     wall = tmp_path / "wall.json"
     wall.write_text(json.dumps({"data": 1.5}))
     script = (f"import sys, time; sys.path.insert(0, {str(ROOT / 'bench')!r}); from wall import count_cut_off\n"
@@ -260,3 +260,8 @@ def test_a_run_stopped_by_sigterm_counts_its_cut_phase(tmp_path):
         assert proc.wait(timeout=30) == -signal.SIGTERM
         got = json.loads(wall.read_text())
         assert got["data"] == 1.5 and expected <= got["cut_off"] < expected + 10, got
+    wall.write_text("")  # unreadable (never so from write_wall, which replaces it whole): not counted, still ends
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM and wall.read_text() == ""

@@ -160,6 +160,24 @@ def test_mma_judges_arbiter_and_disagreement_stats(server, tmp_path):
         slow.close()
 
 
+def test_mma_writes_its_samples_last(server, tmp_path, monkeypatch):
+    """bench/table5_mini.py resumes by the samples file: it is written after the problems and statistics, so
+    a run cut off before it makes the MMA data again rather than report none."""
+    import longsft.train.datagen.mma as mma
+
+    order = []
+    for name in ("atomic_write_text", "atomic_write_json"):
+        real = getattr(mma, name)
+        monkeypatch.setattr(mma, name,
+                            lambda path, *a, _real=real, **k: (order.append(str(path)), _real(path, *a, **k)))
+    src = tmp_path / "articles.jsonl"
+    src.write_text(json.dumps({"id": "a0", "language": "en", "article": "STORY-0 text.", "summary": "-",
+                               "gold_score": 5, "bucket": "16k"}) + "\n")
+    ep = lambda m: Endpoint(m, server.url)  # noqa: E731
+    run_mma(str(src), str(tmp_path / "mma.jsonl"), [ep("gen-good")], [ep("judge-a"), ep("judge-b")], ep("arbiter"))
+    assert order[-1] == str(tmp_path / "mma.jsonl") and str(tmp_path / "mma.jsonl.stats.json") in order
+
+
 def test_mma_asks_both_judges_and_counts_each_ones_failures(tmp_path):
     """A judge that never gives a score drops the summary (a problem naming it), but the other judge is
     still asked, and the stats count the unjudged summaries per judge."""

@@ -149,8 +149,9 @@ def build_ablation(inputs: list[str | Path], out: str | Path, sizes: list[int | 
                          f"data.validation_file={out.resolve()}/heldout/{{bucket}}/validation.jsonl")
     for path, text in files.items():
         atomic_write_text(path, text)
-    atomic_write_text(out / "table5.sweep", "\n".join(lines) + "\n")
     atomic_write_json(out / "manifest.json", manifest)
+    # the sweep file last: it says the arms are made (bench/table5_mini.py resumes by it)
+    atomic_write_text(out / "table5.sweep", "\n".join(lines) + "\n")
     return manifest
 
 

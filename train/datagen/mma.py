@@ -194,7 +194,6 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
         stats["arbitrated"] += r["arbitrated"]
         if r.get("sided"):
             stats[f"arbiter_sided_{r['sided']}"] += 1
-    atomic_write_text(out, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
     atomic_write_text(str(out) + ".problems.jsonl", "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in problems))
     pairs = stats["pairs"]
     summary = {"summaries": len(samples), "problems": len(problems), "judged": pairs,
@@ -206,4 +205,6 @@ def run(inputs: str, out: str, generators: list[Endpoint], judges: list[Endpoint
                                  if k.startswith("arbiter_sided_")},
                "hallucinated": sum(s["gold_score"] <= 2 for s in samples)}
     atomic_write_json(str(out) + ".stats.json", summary)
+    # the samples last: their file says the phase is done (bench/table5_mini.py resumes by it)
+    atomic_write_text(out, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
     return summary
