@@ -3,8 +3,8 @@
 # First bring the model and the wheels there with bench/gpu_carry.sh (two calls), then, on the same warm
 # machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
 #            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json;
-#                                                              its MMA judges: learn.py's checkpoint if it ran,
-#                                                              else two it trains first, 200 steps each)
+#                                                              its MMA judges: two of learn.py's checkpoints if
+#                                                              it ran, else two it trains first, 200 steps each)
 # Every phase of both resumes: a run cut off goes on where it stopped when run again on the same machine.
 # LIMIT (seconds, default 530): the run's own limit, after which it is stopped by SIGTERM and its results
 # copied to $OUT. It must end before the device call does: a call's limit is its timeout_s or the session's
@@ -96,6 +96,9 @@ if [ "${1:-}" = table5 ]; then
 s = json.load(open(f"{sys.argv[1]}/run/state.json"))["stages"]
 best = [f"{sys.argv[1]}/run/stages/{n}/best" for n, st in s.items() if st["status"] == "done"]
 for b in dict.fromkeys(b for b in best[-1:] + best[:1] if glob.glob(f"{b}/*.safetensors")): print(b)' "$LEARN" 2>/dev/null)
+  # two or none: one checkpoint (only learn.py's first stage finished) would leave judge B sampling from it,
+  # its requests served one at a time; without two, table5_mini.py trains two of its own
+  [ ${#judges[@]} -ge 2 ] || judges=()
   # once chosen, the same judges on every rerun: MMA's answers so far are cached per judge
   [ -f "$T5/judges.txt" ] && mapfile -t judges < "$T5/judges.txt"
   mkdir -p "$T5" && printf '%s\n' "${judges[@]}" | sed '/^$/d' > "$T5/judges.txt"
