@@ -19,6 +19,8 @@
 # machine, carries B's table5_smoke_state.tgz back in and finishes it. Each must leave what the docs promise in
 # $OUT. Without an argument: both. What it cannot check: anything that needs the GPU itself.
 set -euo pipefail
+what=${1:-all}
+case "$what" in all|checks|flow) ;; *) echo "usage: bash bench/rehearse_device.sh [checks|flow]" >&2; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 VENV=${REHEARSE_VENV:-/tmp/longsft_device_venv}
 WORK=${REHEARSE_WORK:-/tmp/longsft_rehearsal}
@@ -36,8 +38,6 @@ if [ ! -f "$VENV/.complete" ]; then
     nvidia-ml-py pytest pytest-timeout
   touch "$VENV/.complete"
 fi
-what=${1:-all}
-case "$what" in all|checks|flow) ;; *) echo "usage: bash bench/rehearse_device.sh [checks|flow]" >&2; exit 2 ;; esac
 repo=$PWD
 [ "$what" = checks ] || bash bench/gpu_carry.sh split > /dev/null  # the model's two parts, in .carry/ here
 rm -rf "$WORK" && git clone -q . "$WORK" && cp -r .whl "$WORK/"
