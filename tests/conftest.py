@@ -63,6 +63,17 @@ def snapshot(*roots: Path) -> dict[str, bytes]:
     return files
 
 
+def record_writes(monkeypatch, module) -> list[str]:
+    """The paths ``module`` writes through its ``atomic_write_text`` / ``atomic_write_json``, in order (the
+    writes still happen)."""
+    order = []
+    for name in ("atomic_write_text", "atomic_write_json"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda path, *a, _real=real, **k: (order.append(str(path)), _real(path, *a, **k)))
+    return order
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import record_writes
 
 from longsft.launch.cluster.sweep import check_sweep
 from longsft.train.common.errors import DataError
@@ -114,10 +115,6 @@ def test_the_sweep_file_is_written_last(inputs, tmp_path, monkeypatch):
     run cut off before it makes the arms again rather than reading a manifest that is not there."""
     import longsft.train.datagen.ablation as ablation
 
-    order = []
-    for name in ("atomic_write_text", "atomic_write_json"):
-        real = getattr(ablation, name)
-        monkeypatch.setattr(ablation, name,
-                            lambda path, *a, _real=real, **k: (order.append(str(path)), _real(path, *a, **k)))
+    order = record_writes(monkeypatch, ablation)
     build_ablation([inputs], tmp_path / "out", [10], 2, 2, seed=3)
     assert order[-1].endswith("table5.sweep") and any(p.endswith("manifest.json") for p in order[:-1])

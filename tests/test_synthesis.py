@@ -10,6 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
+from conftest import record_writes
 from llm_server import Server
 from test_extend import hlm_units
 
@@ -165,11 +166,7 @@ def test_mma_writes_its_samples_last(server, tmp_path, monkeypatch):
     a run cut off before it makes the MMA data again rather than report none."""
     import longsft.train.datagen.mma as mma
 
-    order = []
-    for name in ("atomic_write_text", "atomic_write_json"):
-        real = getattr(mma, name)
-        monkeypatch.setattr(mma, name,
-                            lambda path, *a, _real=real, **k: (order.append(str(path)), _real(path, *a, **k)))
+    order = record_writes(monkeypatch, mma)
     src = tmp_path / "articles.jsonl"
     src.write_text(json.dumps({"id": "a0", "language": "en", "article": "STORY-0 text.", "summary": "-",
                                "gold_score": 5, "bucket": "16k"}) + "\n")
