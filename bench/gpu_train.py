@@ -55,7 +55,8 @@ def overrides(shape: dict, seq: int, dtype: str, offload: bool = False) -> list[
     return [*(f"model.config.{k}={v}" for k, v in shape.items()), f"model.dtype={dtype}",
             "model.gradient_checkpointing=true", "model.loss_chunk_tokens=4096", "parallel.sp_size=1",
             "deepspeed.config=zero3", "deepspeed.torch_adam=true", "optim.grad_accum=1", f"stages.0.seq_len={seq}",
-            f"model.offload_activations={str(offload).lower()}"]
+            f"model.offload_activations={str(offload).lower()}",
+            "model.sdpa_cudnn=true"]  # one length per row: cuDNN builds its graphs once (as in the H200 run)
 
 
 def matmul_peak(device: str, dtype) -> float:

@@ -73,6 +73,7 @@ def run_args(shape: dict, seq: int, dtype: str, phase: str, layers: int | None =
             "model.gradient_checkpointing=true", "model.loss_chunk_tokens=4096", "parallel.sp_size=1",
             "deepspeed.config=zero3_offload", "deepspeed.torch_adam=true", "optim.grad_accum=1",
             f"stages.0.seq_len={seq}", f"model.offload_activations={str(fit).lower()}",
+            "model.sdpa_cudnn=true",  # one length per row, and ALST's rows run PyTorch's own choice in this process
             *(["model.mlp_tile_tokens=4096", "model.keep_attention=false"] if fit else [])]
 
 

@@ -43,6 +43,7 @@ class HFBackend:
         import torch
 
         from longsft.train.model.build import build_hf_config, build_tokenizer, load_pretrained
+        from longsft.train.model.sdpa import use_sdpa_cudnn
 
         torch_dtype = {"auto": "auto", "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         try:
@@ -67,6 +68,7 @@ class HFBackend:
             self.model.generation_config.use_cache = True
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model.to(self.device).eval()
+        use_sdpa_cudnn(model_cfg.sdpa_cudnn)  # every prefill batch is a new shape (longsft.train.model.sdpa)
         if hint := bf16_hint(self.model.dtype == torch.bfloat16, self.device.type == "cuda", fast_bf16(), "dtype"):
             say(hint)
         self.max_new_tokens, self.enable_thinking = max_new_tokens, enable_thinking

@@ -127,3 +127,19 @@ def test_loaded_model_trains_with_checkpointing(tiny_model_dir):
     off = build_model(ModelConfig(path=path, tokenizer="qwen", dtype="fp32", gradient_checkpointing=False))
     assert on.training and off.training
     assert _saved_bytes(on) < 0.5 * _saved_bytes(off)
+
+
+def test_model_sdpa_keeps_cudnn_out_unless_asked(tiny_model_dir):
+    """Building a model sets PyTorch's SDPA dispatch of this process from ``model.sdpa_cudnn`` (cuDNN
+    would build a graph for each new length): out by default, in when asked."""
+    from longsft.train.model.build import build_model
+
+    path, before = str(tiny_model_dir()), torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        for asked in (None, True, False):
+            torch.backends.cuda.enable_cudnn_sdp(not asked)  # the opposite of what the model must leave
+            build_model(ModelConfig(path=path, tokenizer="qwen", dtype="fp32",
+                                    **({} if asked is None else {"sdpa_cudnn": asked})))
+            assert torch.backends.cuda.cudnn_sdp_enabled() is bool(asked), asked
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

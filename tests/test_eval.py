@@ -207,6 +207,18 @@ def test_hf_backend_loads_the_recipe_rope_scaling(tiny_model_dir, tmp_path):
                                               tokenizer="qwen")), 4, dtype="fp32")
     assert again.model.config.rope_parameters == rope
     assert backend.generate("Hello").gen_tokens > 0
+    # every prefill batch is a new shape: cuDNN is kept out of SDPA unless the recipe's model section asks
+    import dataclasses
+
+    import torch
+
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    cfg = dataclasses.replace(model_config(EvalConfig(model=path, data="d", tokenizer="qwen")), sdpa_cudnn=True)
+    try:
+        HFBackend(cfg, 4, dtype="fp32")
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def test_hf_backend_says_when_bf16_is_slow_on_this_cpu(tiny_model_dir, capsys, monkeypatch):

@@ -29,6 +29,12 @@ class ModelConfig:
     # unless explicitly allowed (and then only with sp_size == 1).
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
+    # Let PyTorch's SDPA run cuDNN's attention in the model's own attention (every path but the ring's and
+    # Ulysses's blocks, which follow parallel.attention_kernel). PyTorch puts cuDNN first on Hopper/Blackwell,
+    # and cuDNN builds an execution graph for every new shape (hundreds of ms): unpacked batches of varied
+    # lengths and each generation batch bring new ones. false: flash, or memory-efficient with a mask, which
+    # do not; true for work of a few fixed shapes
+    sdpa_cudnn: bool = False
     # Loss memory: LM head + cross-entropy this many target tokens at a time (0: all at once).
     loss_chunk_tokens: int = 0
     # torch: LM head + cross-entropy in PyTorch (chunked as above); liger: Liger's fused linear

@@ -15,6 +15,7 @@ from longsft.train.common.model_files import reading_model
 from longsft.train.config.schema import ModelConfig
 from longsft.train.model.layers import EXTENT, Extent, lean_layers, tile_mlps
 from longsft.train.model.loss import attach_fused_loss, logit_softcap
+from longsft.train.model.sdpa import use_sdpa_cudnn
 from longsft.train.model.tied_head import deferrable
 from longsft.train.parallel.attention import ATTN_NAME
 
@@ -145,6 +146,7 @@ def build_model(cfg: ModelConfig, init_from: str | None = None, seed: int = 42, 
     from transformers import AutoModelForCausalLM
 
     hf = build_hf_config(cfg, init_from)
+    use_sdpa_cudnn(cfg.sdpa_cudnn)
     attn = cfg.attn_implementation
     if sp_size > 1 or packing or (keeps_attention(cfg, sp_size, packing) and not _attention_quirks(hf, sp_size)):
         attn = ATTN_NAME  # (one rank keeping attention: only a plain causal attention is taken over)

@@ -21,6 +21,7 @@ from longsft.train.config.loader import dump_yaml, to_dict
 from longsft.train.config.schema import RunConfig
 from longsft.train.data.cache_ready import ensure_all
 from longsft.train.model.build import build_tokenizer
+from longsft.train.model.sdpa import describe as describe_sdpa
 from longsft.train.parallel import comm, distributed
 from longsft.train.training.preempt import StopRequests
 from longsft.train.training.preflight import check_model, prepare_data
@@ -56,7 +57,8 @@ def _run(cfg: RunConfig, d: distributed.Dist, kernel: str) -> dict:
         say(hint)
     if d.is_main:
         say(f"attention: parallel.sp_backend={cfg.parallel.sp_backend} over sp_size={cfg.parallel.sp_size}; "
-            f"fused block kernel {kernel} (where the ring, Ulysses or kept attention runs)")
+            f"fused block kernel {kernel} (where the ring, Ulysses or kept attention runs); elsewhere "
+            f"{describe_sdpa(cfg.model.sdpa_cudnn)}")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one to read
