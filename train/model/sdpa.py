@@ -7,7 +7,9 @@ apart, hundreds of milliseconds each, kept for the process. Unpacked batches are
 longest sample, so a run of varied lengths meets a new shape at almost every micro-step, and each
 generation batch's prefill is one more. ``model.sdpa_cudnn: false`` (the default) keeps cuDNN out of
 that dispatch: flash attention serves calls without a mask, the memory-efficient kernel calls with one;
-neither builds per shape. The ring's and Ulysses's blocks are not dispatched by SDPA (they call their
+neither builds per shape. It also keeps training clear of a cuDNN backward that returns NaN in dQ
+when a mask is passed and the length is 64 past a multiple of 128 (PyTorch 2.11 on H100/H200, pytorch
+issue 196678; a padded micro-batch of several samples passes a mask). The ring's and Ulysses's blocks are not dispatched by SDPA (they call their
 kernel's op directly, :mod:`longsft.train.parallel.kernels`) and keep ``parallel.attention_kernel``.
 
 PyTorch holds this setting per process (``torch.backends.cuda.enable_cudnn_sdp``: a flag of its global
