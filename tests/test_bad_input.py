@@ -267,10 +267,11 @@ def test_a_run_that_never_trained_takes_a_corrected_config(tmp_path, capsys):
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
     # and resumes with memory settings changed (after running out of memory, say): the same training
     old["model"]["keep_attention"], old["model"]["mlp_tile_tokens"] = False, 1024  # now: auto, 0
+    old["model"]["sdpa_cudnn"] = True  # a kernel choice: now false
     saved.write_text(yaml.safe_dump(old))
     assert check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-3"])) is False
-    assert "resuming with model.keep_attention: False -> 'auto'; model.mlp_tile_tokens: 1024 -> 0 (memory and speed " \
-           "settings only)" in capsys.readouterr().err
+    assert "resuming with model.keep_attention: False -> 'auto'; model.mlp_tile_tokens: 1024 -> 0; " \
+           "model.sdpa_cudnn: True -> False (memory and speed settings only)" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"optim.lr: 0.001 -> 0.0001"):  # not with anything else changed
         check_resolved_config(load_config("tiny", [f"run_dir={tmp_path / 'trained'}", "optim.lr=1e-4"]))
 

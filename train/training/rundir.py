@@ -117,8 +117,8 @@ def load_state(cfg: RunConfig) -> dict:
 # gradient beyond kernel rounding (the SP and ZeRO-3 equality tests run them both ways): a run resumes with
 # them changed, e.g. after running out of memory
 MEMORY_ONLY = ("model.keep_attention", "model.offload_activations", "model.mlp_tile_tokens",
-               "model.loss_chunk_tokens", "validation.whole_model_gb", "parallel.attention_kernel",
-               "parallel.timeout_minutes")
+               "model.loss_chunk_tokens", "model.sdpa_cudnn", "validation.whole_model_gb",
+               "parallel.attention_kernel", "parallel.timeout_minutes")
 
 
 def check_resolved_config(cfg: RunConfig) -> bool:
