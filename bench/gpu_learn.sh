@@ -104,6 +104,13 @@ for b in dict.fromkeys(b for b in best[-1:] + best[:1] if glob.glob(f"{b}/*.safe
   mkdir -p "$T5" && printf '%s\n' "${judges[@]}" | sed '/^$/d' > "$T5/judges.txt"
   judge_args=()
   for j in "${judges[@]}"; do [ -n "$j" ] && judge_args+=(--judge-model "$j"); done
+  # the MMA phase serves the generator and both judges at once, three processes on the one GPU: a GPU that
+  # takes one process at a time (compute mode Exclusive_Process) would fail it after minutes; say so now
+  mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader 2>/dev/null | head -1)
+  if [ ! -f "$T5/mma.jsonl" ] && [ -n "$mode" ] && [ "$mode" != Default ]; then
+    echo "the GPU's compute mode is $mode: Table 5's MMA phase runs three model servers on it at once" >&2
+    exit 2
+  fi
   if [ -f "$T5/mma.jsonl" ]; then
     echo "MMA data made: no judges needed"
   elif [ ${#judge_args[@]} -gt 0 ]; then
