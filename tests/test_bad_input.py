@@ -192,6 +192,7 @@ def test_a_folder_given_as_recipe(tmp_path, capsys):
     ("logging.log_every=0", "logging.log_every=0 must be >= 1"),
     ("optim.betas=[0.9, 1.5]", "optim.betas.1=1.5 must be in [0, 1)"),
     ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2.0 must be >= 0 and <= 1"),
+    ("parallel.pad_multiple=0", "parallel.pad_multiple=0 must be auto or >= 1"),
     ("stages.0.name=../../x", "stages.0.name='../../x' is not a plain name"),
     ("stages.0.name=/abs", "stages.0.name='/abs' is not a plain name"),
     ("stages.1.bucket=..", "stages.1.bucket='..' is not a plain name"),

@@ -45,6 +45,27 @@ def test_zigzag_layout_and_shard_batch():
     assert lab[order].tolist() == e.labels[1:] + [IGNORE, IGNORE]
 
 
+def test_pad_multiple_rounds_lengths_where_a_kernel_builds_per_shape():
+    """``parallel.pad_multiple``: auto rounds only for a kernel that builds a graph per shape (cuDNN), by
+    1/64 of seq_len in multiples of 16 * sp; a number is taken as given. collate rounds the longest row up,
+    never past ``max_len`` unless the row itself is longer; the pads have no targets."""
+    from longsft.train.data.batching import collate
+    from longsft.train.data.encoding import Encoded, Meta
+    from longsft.train.parallel.kernels import CPU_KERNEL, CUDNN_KERNEL, EFFICIENT_KERNEL, FLASH_KERNEL
+    from longsft.train.parallel.layout import pad_multiple
+
+    assert [k.graph_per_shape for k in (CPU_KERNEL, CUDNN_KERNEL, FLASH_KERNEL, EFFICIENT_KERNEL)] == \
+        [False, True, False, False]
+    assert pad_multiple("auto", 16384, 8, True) == 256 and pad_multiple("auto", 102400, 8, True) == 1664
+    assert pad_multiple("auto", 2048, 8, True) == 128 and pad_multiple("auto", 16384, 1, True) == 256
+    assert pad_multiple("auto", 16384, 8, False) == 1 and pad_multiple(48, 16384, 2, False) == 48
+    e = Encoded(Meta("a", "en", 4), list(range(1, 101)), 90)  # 90 prompt tokens, 10 answer tokens
+    for multiple, most, length in ((1, 0, 100), (48, 0, 144), (48, 120, 120), (48, 64, 100)):
+        b = collate([e], 0, multiple, most or None)
+        assert b["input_ids"].shape[1] == length, (multiple, most)
+        assert int(b["attention_mask"].sum()) == 100 and int((b["shift_labels"] != -100).sum()) == 10
+
+
 def test_parallel_degrees_are_checked():
     assert ParallelDims(8, 2).dp_size == 4
     assert ParallelDims(8, 2).sp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -103,10 +124,11 @@ def test_ring_attention_equals_full_attention(tmp_path, nproc, sp):
 @pytest.mark.parametrize("arch, backend, extra", [
     # qwen3: a tied head, its weight gradient deferred to the embedding's backward; the layers' recompute
     # reuses the forward's attention
-    ("qwen3", "torch", ["model.keep_attention=true"]),
+    # (each length rounded up to a multiple of 48 tokens, as cuDNN's graphs would have it: pads change nothing)
+    ("qwen3", "torch", ["model.keep_attention=true", "parallel.pad_multiple=48"]),
     # chunked LM head + loss and CPU-saved activations compose with SP and ZeRO-3 (the reference is unchunked)
     ("llama", "torch", ["model.loss_chunk_tokens=3", "model.offload_activations=true", "model.mlp_tile_tokens=5"]),
-    ("qwen3", "ulysses", ["model.keep_attention=true", "model.loss_chunk_tokens=3"])])
+    ("qwen3", "ulysses", ["model.keep_attention=true", "model.loss_chunk_tokens=3", "parallel.pad_multiple=40"])])
 def test_sp2_zero3_step_equals_one_process(tmp_path, tiny_model_dir, sample_dir, arch, backend, extra):
     model = str(tiny_model_dir(arch))
     data = str(sample_dir / "1k" / "train.jsonl")  # odd lengths: padding to 2*sp is exercised

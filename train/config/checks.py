@@ -48,6 +48,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.parallel.sp_size < 1:
         raise ConfigError("parallel.sp_size must be >= 1")
     _bounds(cfg.parallel, "parallel.", timeout_minutes=(1, None))
+    if cfg.parallel.pad_multiple != "auto" and cfg.parallel.pad_multiple < 1:
+        raise ConfigError(f"parallel.pad_multiple={cfg.parallel.pad_multiple} must be auto or >= 1 (1: no padding)")
     if cfg.model.loss_chunk_tokens < 0:
         raise ConfigError(f"model.loss_chunk_tokens={cfg.model.loss_chunk_tokens} must be >= 0 (0: no chunking)")
     if cfg.model.loss_kernel == "liger":

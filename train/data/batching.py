@@ -38,16 +38,19 @@ def pack(items: list[Encoded], seq_len: int, enabled: bool) -> list[Row]:
     return rows
 
 
-def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
-    """Right-pad rows to a common length. Labels are shifted here, before any sequence split, and
+def collate(rows: list[Row | Encoded], pad_id: int, pad_to_multiple: int = 1,
+            max_len: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad rows to a common length: the longest row's, rounded up to ``pad_to_multiple`` but not past
+    ``max_len`` (where the longest row is shorter). Labels are shifted here, before any sequence split, and
     per document: ``shift_labels[b, t]`` is the target of position ``t`` (IGNORE at a document's
     last token and on padding). Position ids restart at 0 for each packed document.
 
     Returns input_ids, attention_mask, position_ids, shift_labels, doc_ids (-1 on padding): [batch, seq].
     """
     rows = [r if isinstance(r, list) else [r] for r in rows]
-    n = max(sum(len(e.input_ids) for e in r) for r in rows)
-    n = -(-n // pad_to_multiple) * pad_to_multiple
+    longest = max(sum(len(e.input_ids) for e in r) for r in rows)
+    n = -(-longest // pad_to_multiple) * pad_to_multiple
+    n = max(longest, min(n, max_len)) if max_len else n
     ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
     shift = torch.full((len(rows), n), IGNORE, dtype=torch.long)
     mask = torch.zeros((len(rows), n), dtype=torch.long)

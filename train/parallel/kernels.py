@@ -37,8 +37,10 @@ class BlockKernel:
     q [b, h, sq, d]; k, v [b, hk, sk, d]. ``gqa``: the kernel takes hk < h K/V heads itself (dk, dv come
     back per K/V head); otherwise the ring repeats K/V heads up to h and folds their gradients back.
     ``masks``: packed documents run as one masked call per block (the CPU kernel); otherwise as one call per
-    document of the block (:mod:`.doc_blocks`). Each CUDA call is checked against the kernel's own argument
-    rules in ``tests/cuda_contract.py``.
+    document of the block (:mod:`.doc_blocks`). ``graph_per_shape``: the kernel builds an execution graph
+    the first time it meets a shape (cuDNN: hundreds of milliseconds each), so the trainer rounds unpacked
+    lengths up to a few (:func:`~longsft.train.parallel.layout.pad_multiple`). Each CUDA call is checked
+    against the kernel's own argument rules in ``tests/cuda_contract.py``.
     """
 
     name: str
@@ -46,6 +48,7 @@ class BlockKernel:
     bwd: Callable
     gqa: bool
     masks: bool = False
+    graph_per_shape: bool = False
 
 
 def _cpu_fwd(q, k, v, causal, scale):
@@ -113,7 +116,7 @@ def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
 
 
 CPU_KERNEL = BlockKernel("cpu_flash", _cpu_fwd, _cpu_bwd, gqa=True, masks=True)
-CUDNN_KERNEL = BlockKernel("cuda_cudnn", _cudnn_fwd, _cudnn_bwd, gqa=True)
+CUDNN_KERNEL = BlockKernel("cuda_cudnn", _cudnn_fwd, _cudnn_bwd, gqa=True, graph_per_shape=True)
 FLASH_KERNEL = BlockKernel("cuda_flash", _flash_fwd, _flash_bwd, gqa=True)
 EFFICIENT_KERNEL = BlockKernel("cuda_efficient", _efficient_fwd, _efficient_bwd, gqa=False)
 KERNELS = {"cudnn": CUDNN_KERNEL, "flash": FLASH_KERNEL, "efficient": EFFICIENT_KERNEL}

@@ -26,6 +26,22 @@ def zigzag_index(seq_len: int, sp_size: int, sp_rank: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
+def pad_multiple(setting: int | str, seq_len: int, sp_size: int, graph_per_shape: bool) -> int:
+    """Tokens an unpacked batch's length is rounded up to (``parallel.pad_multiple``), before its 2*sp split.
+
+    ``auto``: where the attention kernel builds a graph for every new shape (cuDNN in the ring or Ulysses),
+    1/64 of the stage's ``seq_len`` rounded up to a multiple of 16 * sp (each zigzag chunk a multiple of
+    8 tokens): at most 64 lengths a stage, each under 1/64 (1.6 %) longer than its longest sample; else 1.
+    Padding goes at the end and has no targets; causal attention never lets a real token see it.
+    """
+    if setting != "auto":
+        return max(1, int(setting))
+    if not graph_per_shape:
+        return 1
+    unit = 16 * sp_size
+    return -(-max(1, seq_len // 64) // unit) * unit
+
+
 def shard_batch(batch: dict[str, torch.Tensor], sp: SequenceParallel, pad_id: int,
                 packed: bool = False) -> dict[str, torch.Tensor]:
     """Pad ``[batch, seq]`` tensors to a multiple of 2*sp and keep this rank's part of them: its zigzag

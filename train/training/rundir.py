@@ -118,7 +118,7 @@ def load_state(cfg: RunConfig) -> dict:
 # them changed, e.g. after running out of memory
 MEMORY_ONLY = ("model.keep_attention", "model.offload_activations", "model.mlp_tile_tokens",
                "model.loss_chunk_tokens", "model.sdpa_cudnn", "validation.whole_model_gb",
-               "parallel.attention_kernel", "parallel.timeout_minutes")
+               "parallel.attention_kernel", "parallel.pad_multiple", "parallel.timeout_minutes")
 
 
 def check_resolved_config(cfg: RunConfig) -> bool:

@@ -27,12 +27,15 @@ def n_targets(row: Row) -> int:
     return sum(len(e.input_ids) - max(e.prompt_len, 1) for e in row)
 
 
-def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False) -> tuple[dict[str, torch.Tensor], int]:
+def make_batch(rows: list[Row], pad_id: int, d: Dist, packing: bool = False, pad_to: tuple[int, int] = (1, 0)
+               ) -> tuple[dict[str, torch.Tensor], int]:
     """Collate ``rows`` and keep this rank's part of the sequence; returns (batch, real tokens).
 
-    ``doc_ids`` stays in the batch only for packed rows (for ``d.attention.active``).
+    ``doc_ids`` stays in the batch only for packed rows (for ``d.attention.active``). ``pad_to``:
+    (multiple, most tokens): the length rounded up to a multiple, not past the stage's ``seq_len``
+    (:func:`~longsft.train.parallel.layout.pad_multiple`; 0: no bound).
     """
-    batch = collate(rows, pad_id)
+    batch = collate(rows, pad_id, pad_to[0], pad_to[1] or None)
     tokens = int(batch["attention_mask"].sum())
     if not packing:
         batch.pop("doc_ids")
@@ -49,11 +52,12 @@ class StepStats:
 
 def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist, pad_id: int,
                model_cfg: ModelConfig, packing: bool,
-               before_update: Callable[[object, list[int]], None] | None = None) -> StepStats:
+               before_update: Callable[[object, list[int]], None] | None = None,
+               pad_to: tuple[int, int] = (1, 0)) -> StepStats:
     """Forward and backward of every micro-step of global ``step``, then DeepSpeed's update.
 
     ``before_update(engine, targets)`` runs after the last backward, while the step's reduced
-    gradients are still there (the tests read them).
+    gradients are still there (the tests read them). ``pad_to``: as :func:`make_batch` takes it.
     """
     micro = sampler.step(step)
     n_global = sum(n_targets(rows[i]) for i in sampler.global_indices(step))
@@ -63,7 +67,7 @@ def train_step(engine, rows: list[Row], sampler: StepSampler, step: int, d: Dist
     scale = backward_scale(n_global, engine.dp_world_size, len(micro))
     loss_sum, tokens, targets = None, 0, []
     for k, idx in enumerate(micro):
-        batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing)
+        batch, n_tokens = make_batch([rows[i] for i in idx], pad_id, d, packing, pad_to)
         keep = keeps_attention(model_cfg, d.sp.size, packing)
         with d.attention.active(doc_ids=batch.pop("doc_ids", None), keep_attention=keep):
             loss, n = token_loss_sum(engine, batch, model_cfg.loss_chunk_tokens, model_cfg.offload_activations,

@@ -18,9 +18,11 @@ from longsft.train.data.batching import StepSampler, pack
 from longsft.train.data.cache_ready import stage_data
 from longsft.train.data.encoding import EncodeStats
 from longsft.train.data.token_cache import Split, stage_files
-from longsft.train.model.build import build_hf_config, build_model
+from longsft.train.model.build import build_hf_config, build_model, keeps_attention, torch_dtype
 from longsft.train.parallel import comm
 from longsft.train.parallel.distributed import Dist
+from longsft.train.parallel.kernels import block_kernel
+from longsft.train.parallel.layout import pad_multiple
 from longsft.train.plan.choose import choose
 from longsft.train.scoring.metrics import gold_label
 from longsft.train.training import checkpoint
@@ -103,14 +105,33 @@ class StageTrainer:
     def _engine(self) -> None:
         from transformers.integrations import HfDeepSpeedConfig
 
-        hidden = build_hf_config(self.cfg.model, self.init_from).hidden_size
-        self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hidden)
+        hf = build_hf_config(self.cfg.model, self.init_from)
+        self.ds_config = build_ds_config(self.cfg, self.stage, self.d.world_size, hf.hidden_size)
         keep, hold = self._memory_plan()
         self.model_cfg = replace(self.cfg.model, keep_attention=keep)
+        self.pad_to = self._pad_to(hf)
         # Alive while the model is built: ZeRO-3 partitions weights as they load.
         self._hf_ds = HfDeepSpeedConfig(self.ds_config)
         model = build_model(self.model_cfg, self.init_from, self.cfg.seed, self.d.dims.sp_size, self.cfg.data.packing)
         self.engine = build_engine(self.cfg, model, self.ds_config, self.total_steps, hold)
+
+    def _pad_to(self, hf) -> tuple[int, int]:
+        """(multiple, most tokens) of every micro-batch's length (``parallel.pad_multiple``): with ``auto``, a
+        multiple only where the ring's or Ulysses's blocks run a kernel that builds a graph for every new
+        shape (cuDNN), so that a stage of varied lengths builds a few; never past the stage's ``seq_len``."""
+        p, sp, packing = self.cfg.parallel, self.d.dims.sp_size, self.cfg.data.packing
+        graphs = False
+        if (sp > 1 or keeps_attention(self.model_cfg, sp, packing)) and p.sp_backend != "ring_flash_attn":
+            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            kernel = block_kernel(self.d.device.type, torch_dtype(self.cfg.model), p.attention_kernel, head_dim)
+            graphs = kernel.graph_per_shape
+        multiple = pad_multiple(p.pad_multiple, self.stage.seq_len, sp, graphs)
+        if multiple > 1:
+            why = "cuDNN builds a graph for every new length" if p.pad_multiple == "auto" else "as asked"
+            self.tracker.write(f"stage {self.stage.name}: each batch's length rounded up to a multiple of "
+                               f"{multiple} tokens, at most {self.stage.seq_len} (parallel.pad_multiple="
+                               f"{p.pad_multiple}: {why})")
+        return multiple, self.stage.seq_len
 
     def _memory_plan(self) -> tuple[bool, bool]:
         """(keep the layers' attention, hold a tied head's weight through the backward): the planner's
@@ -208,7 +229,7 @@ class StageTrainer:
         """Global ``step`` (:func:`~longsft.train.training.step.train_step`) and its metrics record."""
         t0 = time.time()
         st = train_step(self.engine, self.train, self.sampler, step, self.d, self.pad_id, self.model_cfg,
-                        self.cfg.data.packing, before_update)
+                        self.cfg.data.packing, before_update, self.pad_to)
         dt = time.time() - t0
         grad_norm = self.engine.get_global_grad_norm()
         return {"kind": "train", "stage": self.stage.name, "step": step + 1, "loss": st.loss,
