@@ -32,10 +32,12 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-BUDGET_S = 40  # bench/gpu.sh gives the step 45 s
+BUDGET_S = 30  # the last row to start by then (bench/gpu.sh gives the step 45 s; the longest row, the cuDNN
+# ring's new 16K shapes, is expected to take a few seconds)
 
 
 def sync() -> None:
+    """Wait for the GPU's queued work (timings end there); nothing on CPU."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -63,12 +65,19 @@ def passes(call, lengths: list[int]) -> tuple[float, float, torch.Tensor]:
 
 
 def inputs(s: int, heads: int, kv: int, dim: int, batch: int, device, dtype, grad: bool):
+    """q [batch, heads, s, dim], k and v [batch, kv, s, dim], seeded by ``s``; q requires grad if ``grad``."""
     g = torch.Generator(device=device).manual_seed(s)
     q, k, v = (torch.randn(batch, n, s, dim, device=device, dtype=dtype, generator=g) for n in (heads, kv, kv))
     return q.requires_grad_(grad), k, v
 
 
+def span(first: int, step: int, n: int) -> list[int]:
+    """``n`` lengths from ``first``, ``step`` apart."""
+    return [first + i * step for i in range(n)]
+
+
 def main() -> None:
+    t_all = time.time()
     from machine import describe
 
     from longsft.train.model.sdpa import use_sdpa_cudnn
@@ -84,16 +93,17 @@ def main() -> None:
     n = 3 if smoke else 12
     small = (9, 3, 64) if not smoke else (3, 1, 16)
     big = (32, 8, 128) if not smoke else (4, 2, 16)
-    span = (lambda lo, step: [lo + i * step for i in range(n)])
-    rows, t_all = [], time.time()
+    rows = []
     out = ROOT / "bench" / "results" / ("gpu_sdpa_shapes_smoke.json" if smoke else "gpu_sdpa_shapes.json")
 
-    def train(s, heads=small):
+    def train(s, heads=small):  # -> dq
+        """One training attention call, forward and backward."""
         q, k, v = inputs(s, *heads, 1, device, dtype, True)
         F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
         return q.grad
 
-    def prefill(s, heads=small, batch=8):
+    def prefill(s, heads=small, batch=8):  # -> out
+        """One generation batch's prefill: left-padded prompts, a boolean mask, K/V heads repeated."""
         q, k, v = inputs(s, *heads, batch, device, dtype, False)
         k, v = (t.repeat_interleave(heads[0] // heads[1], dim=1) for t in (k, v))
         pad = torch.arange(s, device=device)[None, :] >= (torch.arange(batch, device=device) * 7)[:, None]
@@ -101,12 +111,14 @@ def main() -> None:
         mask[..., 0] |= ~pad[:, None, :]  # a padding row attends to the first column (no empty row)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def ring(s, kernel):
+    def ring(s, kernel):  # -> dq
+        """longsft's ring on one rank with ``kernel``, forward and backward."""
         q, k, v = inputs(s, *big, 1, device, dtype, True)
         zigzag_ring_attention(q, k, v, kernel=kernel).sum().backward()
         return q.grad
 
     def record(row: dict) -> None:
+        """Add ``row`` and write the results file whole (a cut-off step keeps its rows)."""
         rows.append(row)
         print(row, flush=True)
         out.write_text(json.dumps({"benchmark": "gpu_sdpa_shapes", "rows": rows, "machine": describe(),
@@ -114,6 +126,7 @@ def main() -> None:
                                            "again; new_shape_s = (first_s - again_s) / n"}, indent=2) + "\n")
 
     def measure(name: str, call, lengths: list[int], warm: int, picked: str, **extra) -> torch.Tensor | None:
+        """Time ``call`` over ``lengths`` twice after a warm-up at ``warm``; the row, and the first result."""
         if time.time() - t_all > BUDGET_S:
             record({"row": name, "skipped": "out of time"})
             return None
@@ -133,13 +146,13 @@ def main() -> None:
             record(rows.pop())
 
     base = 64 if smoke else 1024
-    groups = [("train", train, span(base, 83 if not smoke else 5), base - 8, False),
-              ("prefill", prefill, span(base + 512, 41 if not smoke else 3), base + 500, True)]
-    for name, call, lengths, warm, masked in groups:
+
+    def sdpa_pair(name: str, call, lengths: list[int], warm: int, masked: bool) -> None:
+        """The model's own SDPA over ``lengths`` with cuDNN kept out, then allowed; outputs compared."""
         results = {}
         for cudnn in (False, True):  # cuDNN last: the graphs it builds stay in this process
             use_sdpa_cudnn(cudnn)
-            q, k, v = inputs(lengths[0], *small, 8 if masked else 1, device, dtype, False)
+            q, k, v = inputs(lengths[0], *small, 8 if masked else 1, device, dtype, not masked)
             if masked:
                 k, v = (t.repeat_interleave(small[0] // small[1], dim=1) for t in (k, v))
             mask = torch.ones(q.shape[0], 1, q.shape[2], q.shape[2], dtype=torch.bool, device=device) \
@@ -147,13 +160,17 @@ def main() -> None:
             picked = kernel_picked(q, k, v, mask, not masked)
             results[cudnn] = measure(f"{name} sdpa_cudnn={str(cudnn).lower()}", call, lengths, warm, picked)
         compare(results[False], results[True], f"{name} sdpa_cudnn=false")
-    use_sdpa_cudnn(False)
-    lengths = span(64 if smoke else 16384, 8 if smoke else 96)[: max(2, n // 2)]
+        use_sdpa_cudnn(False)
+
+    # the order of what matters most: issue 34's training, the ring of the main job, then generation's prefill
+    sdpa_pair("train", train, span(base, 5 if smoke else 83, n), base - 8, False)
+    lengths = span(64 if smoke else 16384, 8 if smoke else 96, max(2, n // 2))
     kernels = [CPU_KERNEL] if smoke else [FLASH_KERNEL, CUDNN_KERNEL]
     results = {k.name: measure(f"ring sp=1 {k.name}", lambda s, k=k: ring(s, k), lengths, lengths[0] - 16, k.name)
                for k in kernels}
     if not smoke:
         compare(results[FLASH_KERNEL.name], results[CUDNN_KERNEL.name], f"ring sp=1 {FLASH_KERNEL.name}")
+    sdpa_pair("prefill", prefill, span(base + 512, 3 if smoke else 41, n), base + 500, True)
     print("| row | kernel | n | first pass s | again s | per new shape s |\n|---|---|---:|---:|---:|---:|")
     for r in rows:
         if "skipped" not in r:

@@ -218,7 +218,7 @@ def test_hf_backend_loads_the_recipe_rope_scaling(tiny_model_dir, tmp_path):
         HFBackend(cfg, 4, dtype="fp32")
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # as the backends above left it
 
 
 def test_hf_backend_says_when_bf16_is_slow_on_this_cpu(tiny_model_dir, capsys, monkeypatch):

@@ -60,3 +60,14 @@ def test_the_attention_itself_refuses_a_quirk_it_is_handed():
         entry.forward(torch.nn.Identity(), q, q, q, None, sliding_window=4)
     with entry.active(doc_ids=torch.zeros(1, 8, dtype=torch.long)), pytest.raises(ValueError, match="softcap=50.0"):
         entry.forward(torch.nn.Identity(), q, q, q, None, softcap=50.0)
+
+
+def test_padding_is_refused_for_a_rope_of_the_largest_position():
+    """Padding raises a row's largest position, from which dynamic and longrope take their frequencies:
+    a forced ``parallel.pad_multiple`` is refused for them at start-up; auto pads nothing there."""
+    keys = ["model.config.model_type=llama", "model.config.rope_scaling={rope_type: dynamic, factor: 2.0}",
+            "parallel.sp_size=1"]
+    with pytest.raises(ConfigError, match=r"parallel.pad_multiple=64: this model's rope_type=dynamic takes its "):
+        check_model(load_config("tiny", [*keys, "parallel.pad_multiple=64"]))
+    check_model(load_config("tiny", [*keys, "parallel.pad_multiple=auto"]))
+    check_model(load_config("tiny", ["parallel.sp_size=1", "parallel.pad_multiple=64"]))  # qwen3: a static rope

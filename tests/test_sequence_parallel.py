@@ -66,6 +66,18 @@ def test_pad_multiple_rounds_lengths_where_a_kernel_builds_per_shape():
         assert int(b["attention_mask"].sum()) == 100 and int((b["shift_labels"] != -100).sum()) == 10
 
 
+def test_which_forwards_run_the_block_kernels():
+    """The paths whose kernel choice (cuDNN's graphs) decides ``parallel.pad_multiple=auto``, as
+    ``SPAttention.forward`` and ``ulysses`` route them."""
+    from longsft.train.parallel.attention import uses_block_kernel
+
+    cases = {(2, "torch", False, False): True, (2, "torch", True, False): True, (2, "ulysses", False, False): True,
+             (2, "ulysses", True, False): False, (2, "ring_flash_attn", False, False): False,
+             (1, "torch", False, True): True, (1, "ring_flash_attn", False, True): True,
+             (1, "torch", False, False): False, (1, "torch", True, False): False}
+    assert {c: uses_block_kernel(*c) for c in cases} == cases
+
+
 def test_parallel_degrees_are_checked():
     assert ParallelDims(8, 2).dp_size == 4
     assert ParallelDims(8, 2).sp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -91,7 +91,7 @@ class ParallelConfig:
     # Round each micro-batch's length up to a multiple of this many tokens (never past the stage's seq_len;
     # padding at the end, no targets). auto: where the ring's or Ulysses's blocks run cuDNN, which builds an
     # execution graph for every new shape (hundreds of ms), 1/64 of seq_len (in multiples of 16 * sp_size):
-    # at most 64 lengths a stage, each < 1.6 % longer; elsewhere none. 1: none
+    # at most 64 lengths a stage, fewer pad tokens than the multiple on any batch; elsewhere none. 1: none
     pad_multiple: int | Literal["auto"] = "auto"
     # How long a rank waits in any collective (every process group, DeepSpeed's included) before the job fails
     # (NCCL's watchdog). It outlasts the longest wait: rank 0 saving a 32B model's 16-bit weights (64 GB) at

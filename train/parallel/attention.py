@@ -46,6 +46,16 @@ def _ring_flash(q, k, v, scale, fwd: Forward, kept=None):
 BACKENDS = {"torch": _ring, "ulysses": _ulysses, "ring_flash_attn": _ring_flash}
 
 
+def uses_block_kernel(sp_size: int, sp_backend: str, packing: bool, kept_on_one_rank: bool) -> bool:
+    """Whether a training forward's attention runs longsft's fused block kernels (:mod:`.kernels`): the
+    torch ring, Ulysses on unpacked rows, or the ring's single block on one rank that keeps attention
+    (``kept_on_one_rank``: the model built with this entry for it). Not ring-flash-attn (flash-attn's
+    kernels) nor per-document SDPA (packed rows on one rank, and Ulysses's packed rows)."""
+    if sp_size == 1:
+        return kept_on_one_rank and not packing
+    return sp_backend == "torch" or (sp_backend == "ulysses" and not packing)
+
+
 class SPAttention:
     """The attention function transformers calls (:meth:`forward`, :meth:`mask`), bound to ``sp``.
 

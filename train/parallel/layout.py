@@ -31,7 +31,8 @@ def pad_multiple(setting: int | str, seq_len: int, sp_size: int, graph_per_shape
 
     ``auto``: where the attention kernel builds a graph for every new shape (cuDNN in the ring or Ulysses),
     1/64 of the stage's ``seq_len`` rounded up to a multiple of 16 * sp (each zigzag chunk a multiple of
-    8 tokens): at most 64 lengths a stage, each under 1/64 (1.6 %) longer than its longest sample; else 1.
+    8 tokens): at most 64 lengths a stage (fewer where 16 * sp > seq_len / 64), and fewer pad tokens than
+    the multiple on any batch; else 1.
     Padding goes at the end and has no targets; causal attention never lets a real token see it.
     """
     if setting != "auto":

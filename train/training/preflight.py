@@ -8,7 +8,7 @@ from longsft.train.common.model_files import check_model_source
 from longsft.train.config.backends import check_heads
 from longsft.train.config.schema import RunConfig
 from longsft.train.datagen.sample_data import write_sample_data
-from longsft.train.model.build import build_hf_config, check_attention_quirks
+from longsft.train.model.build import attention_quirks, build_hf_config, check_attention_quirks
 
 
 def check_model(cfg: RunConfig) -> str:
@@ -30,6 +30,11 @@ def check_model(cfg: RunConfig) -> str:
     check_heads(cfg.parallel.sp_backend, cfg.parallel.sp_size, hf.num_attention_heads,
                 getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
     check_attention_quirks(hf, cfg.parallel.sp_size, cfg.data.packing)
+    rope = [q for q in attention_quirks(hf) if q.startswith("rope_type")]
+    if rope and cfg.parallel.pad_multiple not in ("auto", 1):
+        raise ConfigError(f"parallel.pad_multiple={cfg.parallel.pad_multiple}: this model's {rope[0].split(' ')[0]} "
+                          "takes its frequencies from the largest position, which padding would raise: the loss "
+                          "would change; use parallel.pad_multiple=auto (none for this model)")
     import torch
 
     if m.loss_kernel == "liger" and getattr(hf, "final_logit_softcapping", None):

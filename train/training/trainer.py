@@ -18,8 +18,9 @@ from longsft.train.data.batching import StepSampler, pack
 from longsft.train.data.cache_ready import stage_data
 from longsft.train.data.encoding import EncodeStats
 from longsft.train.data.token_cache import Split, stage_files
-from longsft.train.model.build import build_hf_config, build_model, keeps_attention, torch_dtype
+from longsft.train.model.build import attention_quirks, build_hf_config, build_model, keeps_attention, torch_dtype
 from longsft.train.parallel import comm
+from longsft.train.parallel.attention import uses_block_kernel
 from longsft.train.parallel.distributed import Dist
 from longsft.train.parallel.kernels import block_kernel
 from longsft.train.parallel.layout import pad_multiple
@@ -117,21 +118,28 @@ class StageTrainer:
 
     def _pad_to(self, hf) -> tuple[int, int]:
         """(multiple, most tokens) of every micro-batch's length (``parallel.pad_multiple``): with ``auto``, a
-        multiple only where the ring's or Ulysses's blocks run a kernel that builds a graph for every new
-        shape (cuDNN), so that a stage of varied lengths builds a few; never past the stage's ``seq_len``."""
-        p, sp, packing = self.cfg.parallel, self.d.dims.sp_size, self.cfg.data.packing
-        graphs = False
-        if (sp > 1 or keeps_attention(self.model_cfg, sp, packing)) and p.sp_backend != "ring_flash_attn":
-            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-            kernel = block_kernel(self.d.device.type, torch_dtype(self.cfg.model), p.attention_kernel, head_dim)
-            graphs = kernel.graph_per_shape
-        multiple = pad_multiple(p.pad_multiple, self.stage.seq_len, sp, graphs)
-        if multiple > 1:
-            why = "cuDNN builds a graph for every new length" if p.pad_multiple == "auto" else "as asked"
-            self.tracker.write(f"stage {self.stage.name}: each batch's length rounded up to a multiple of "
-                               f"{multiple} tokens, at most {self.stage.seq_len} (parallel.pad_multiple="
-                               f"{p.pad_multiple}: {why})")
-        return multiple, self.stage.seq_len
+        multiple only where the batch's attention runs the ring's or Ulysses's block kernel and that kernel
+        builds a graph for every new shape (cuDNN), so that a stage of varied lengths builds a few; never past
+        the stage's ``seq_len``. Chosen on rank 0 for every rank (the kernel depends on each one's GPU)."""
+        choice = None
+        if self.d.is_main:
+            p, sp, packing = self.cfg.parallel, self.d.dims.sp_size, self.cfg.data.packing
+            # (one rank: a position-dependent rope, fine there, would see padding raise its largest position)
+            kept = keeps_attention(self.model_cfg, sp, packing) and not attention_quirks(hf)
+            blocks = uses_block_kernel(sp, p.sp_backend, packing, kept)
+            graphs = False
+            if blocks and p.pad_multiple == "auto":
+                head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+                graphs = block_kernel(self.d.device.type, torch_dtype(self.cfg.model), p.attention_kernel,
+                                      head_dim).graph_per_shape
+            multiple = pad_multiple(p.pad_multiple, self.stage.seq_len, sp, graphs)
+            if multiple > 1:
+                why = "cuDNN builds a graph for every new length" if p.pad_multiple == "auto" else "as asked"
+                self.tracker.write(f"stage {self.stage.name}: each batch's length rounded up to a multiple of "
+                                   f"{multiple} tokens, at most {self.stage.seq_len} (parallel.pad_multiple="
+                                   f"{p.pad_multiple}: {why})")
+            choice = multiple, self.stage.seq_len
+        return comm.broadcast_object(choice)
 
     def _memory_plan(self) -> tuple[bool, bool]:
         """(keep the layers' attention, hold a tied head's weight through the backward): the planner's
