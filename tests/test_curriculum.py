@@ -64,6 +64,7 @@ def test_run_directory_layout(finished_run):
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {m["kind"] for m in metrics} == {"train", "val"}
     assert all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in metrics if m["kind"] == "train")
+    assert all(m["memory_gb"] > 0 for m in metrics)  # validation rounds too (GPU: each record's own peak)
     # a finished stage keeps its best model only: its resumable checkpoints are deleted
     for name in ("a", "b", "c"):
         assert not (run_dir / "stages" / name / "ckpt").exists()

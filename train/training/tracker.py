@@ -17,10 +17,18 @@ from longsft.train.config.schema import LoggingConfig
 
 
 def peak_memory_gb() -> float:
-    """Peak accelerator memory if on GPU, else this process's peak RSS."""
+    """GPU: the peak of allocated memory since :func:`reset_peak_memory` (a step's, a validation round's);
+    CPU: this process's peak RSS (which no reset lowers)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak for :func:`peak_memory_gb` on the GPU (else the process's whole life: earlier
+    stages, validation's generation), as torchtitan's memory monitor does per logging step."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
 class Tracker:

@@ -30,7 +30,7 @@ from longsft.train.training import checkpoint
 from longsft.train.training.engine import build_engine
 from longsft.train.training.preempt import StopRequested, StopRequests
 from longsft.train.training.step import n_targets, train_step
-from longsft.train.training.tracker import Tracker, peak_memory_gb
+from longsft.train.training.tracker import Tracker, peak_memory_gb, reset_peak_memory
 from longsft.train.training.validation import is_better, run_validation
 
 
@@ -234,7 +234,9 @@ class StageTrainer:
                             f"checkpoint saved in {self.state['last_checkpoint']}. Run the same command to resume")
 
     def train_step(self, step: int, before_update=None) -> dict:
-        """Global ``step`` (:func:`~longsft.train.training.step.train_step`) and its metrics record."""
+        """Global ``step`` (:func:`~longsft.train.training.step.train_step`) and its metrics record (on a GPU,
+        ``memory_gb`` is this step's peak)."""
+        reset_peak_memory()
         t0 = time.time()
         st = train_step(self.engine, self.train, self.sampler, step, self.d, self.pad_id, self.model_cfg,
                         self.cfg.data.packing, before_update, self.pad_to)
@@ -247,11 +249,13 @@ class StageTrainer:
 
     def _validate(self, step: int) -> None:
         v, t0 = self.cfg.validation, time.time()
+        reset_peak_memory()
         batch = v.batch_tokens if v.batch_tokens >= 0 else (self.stage.seq_len if self.d.device.type == "cuda" else 0)
         metrics, rows = run_validation(self.engine, self.tok, self.val, self.d, v.max_new_tokens, v.invalid_policy,
                                        v.loss, self.pad_id, self.cfg.model.loss_chunk_tokens,
                                        self.cfg.model.attn_implementation, v.whole_model_gb, batch, v.decision)
-        metrics.update(kind="val", stage=self.stage.name, step=step, seconds=time.time() - t0)
+        metrics.update(kind="val", stage=self.stage.name, step=step, seconds=time.time() - t0,
+                       memory_gb=peak_memory_gb())
         if self.d.is_main:
             write_jsonl(self.dir / "val" / f"step_{step:07d}.jsonl", rows)
         self.tracker.log(metrics)
