@@ -88,7 +88,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: a check of this script")
     smoke = ap.parse_args().smoke
     if not smoke and not torch.cuda.is_available():
-        sys.exit("gpu_sdpa_shapes.py: needs a GPU (or --smoke)")
+        print("gpu_sdpa_shapes.py: needs a GPU (or --smoke)", file=sys.stderr)
+        sys.exit(2)
     device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
     n = 3 if smoke else 12
     small = (9, 3, 64) if not smoke else (3, 1, 16)
