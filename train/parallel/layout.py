@@ -27,7 +27,7 @@ def zigzag_index(seq_len: int, sp_size: int, sp_rank: int) -> torch.Tensor:
 
 
 def pad_multiple(setting: int | str, seq_len: int, sp_size: int, graph_per_shape: bool) -> int:
-    """Tokens an unpacked batch's length is rounded up to (``parallel.pad_multiple``), before its 2*sp split.
+    """Tokens a micro-batch's length is rounded up to (``parallel.pad_multiple``), before its 2*sp split.
 
     ``auto``: where the attention kernel builds a graph for every new shape (cuDNN in the ring or Ulysses),
     1/64 of the stage's ``seq_len`` rounded up to a multiple of 16 * sp (each zigzag chunk a multiple of
