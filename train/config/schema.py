@@ -31,7 +31,7 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     # Let PyTorch's SDPA run cuDNN's attention in the model's own attention (every path but the ring's and
     # Ulysses's blocks, which follow parallel.attention_kernel). PyTorch puts cuDNN first on Hopper/Blackwell,
-    # and cuDNN builds an execution graph for every new shape (hundreds of ms): unpacked batches of varied
+    # and cuDNN builds an execution graph for every new shape (others report hundreds of ms): unpacked batches of varied
     # lengths and each generation batch bring new ones. false: flash, or memory-efficient with a mask, which
     # do not; true for work of a few fixed shapes
     sdpa_cudnn: bool = False
@@ -90,8 +90,9 @@ class ParallelConfig:
     attention_kernel: Literal["auto", "cudnn", "flash", "efficient"] = "auto"
     # Round each micro-batch's length up to a multiple of this many tokens (never past the stage's seq_len;
     # padding at the end, no targets). auto: where the ring's or Ulysses's blocks run cuDNN, which builds an
-    # execution graph for every new shape (hundreds of ms), 1/64 of seq_len (in multiples of 16 * sp_size):
-    # at most 64 lengths a stage, fewer pad tokens than the multiple on any batch; elsewhere none. 1: none
+    # execution graph for every new shape (others report hundreds of ms), 1/64 of seq_len (in multiples of
+    # 16 * sp_size): at most 64 lengths a stage, fewer pad tokens than the multiple on any batch; elsewhere
+    # none. 1: none
     pad_multiple: int | Literal["auto"] = "auto"
     # How long a rank waits in any collective (every process group, DeepSpeed's included) before the job fails
     # (NCCL's watchdog). It outlasts the longest wait: rank 0 saving a 32B model's 16-bit weights (64 GB) at

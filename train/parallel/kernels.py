@@ -38,8 +38,8 @@ class BlockKernel:
     back per K/V head); otherwise the ring repeats K/V heads up to h and folds their gradients back.
     ``masks``: packed documents run as one masked call per block (the CPU kernel); otherwise as one call per
     document of the block (:mod:`.doc_blocks`). ``graph_per_shape``: the kernel builds an execution graph
-    the first time it meets a shape (cuDNN: hundreds of milliseconds each), so the trainer rounds micro-batch
-    lengths up to a few (:func:`~longsft.train.parallel.layout.pad_multiple`). Each CUDA call is checked
+    the first time it meets a shape (cuDNN: others report hundreds of milliseconds each), so the trainer rounds
+    micro-batch lengths up to a few (:func:`~longsft.train.parallel.layout.pad_multiple`). Each CUDA call is checked
     against the kernel's own argument rules in ``tests/cuda_contract.py``.
     """
 
