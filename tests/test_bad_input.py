@@ -416,3 +416,32 @@ def test_learn_bench_refuses_a_stage_smaller_than_one_step(tmp_path):
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and message in r.stderr, r.stderr
         assert not out.exists()
+
+
+def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
+    """bench/retest.py refuses, in one line and before drawing or evaluating anything, the training data's
+    seed, an odd test size, a folder that is no learn.py run, an unfinished run and a best without weights."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "learn"
+    (run / "run").mkdir(parents=True)
+    best = run / "run" / "stages" / "s512" / "best"
+
+    def refusal(*extra: str, state: str | None = None) -> str:
+        if state:
+            (run / "run" / "state.json").write_text(json.dumps({"stages": {"s512": {
+                "status": state, "best": {"path": str(best)}}}}))
+            train_file = "x/data/counterfactual/{bucket}/train.jsonl"
+            (run / "run" / "config.yaml").write_text(f"data:\n  train_file: {train_file}\n")
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "retest.py"), "--run", str(run), *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not (run / "retest").exists()
+        return r.stderr
+
+    assert "--seed 42: the training data's seed" in refusal("--seed", "42")
+    assert "--test 3: an even number" in refusal("--seed", "7", "--test", "3")
+    assert "not a bench/learn.py working folder" in refusal("--seed", "7")
+    assert "stage(s) s512 not done" in refusal("--seed", "7", state="running")
+    assert "best checkpoint has no weights" in refusal("--seed", "7", state="done")

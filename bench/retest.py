@@ -1,0 +1,155 @@
+"""A finished ``bench/learn.py`` run tested again on a fresh held-out set drawn with another seed.
+
+    python bench/retest.py --run runs/learn_e2 --seed 2026 [--test 400] [--json learn_cpu_retest]
+
+learn.py's test set is drawn with the training data's seed (42), and the CPU runs chose among their
+settings (stratified steps, learning rate, epochs) by looking at it. This draws ``--test`` new items
+(``longsft data sample --seed S``: the same generator, English, balanced, the run's kind of edits),
+checks that none shares an article or a summary-and-article pair with the run's training or validation
+files, and evaluates the base model and the run's final best checkpoint on them with ``longsft eval``
+(the paper's prompt, temperature 0). Then ``longsft report --compare``'s paired bootstrap: final − base
+with invalid answers counted as the runs' own policy, and read as each fixed label in both runs (so a
+gain in answer format alone counts for nothing), against issue 34's goal: the final BA's 95% interval
+above 0.55 and ΔBA ≥ +0.10 at p < 0.01 on ≥ 400 items.
+
+Writes ``bench/results/<json>.json`` after every phase and resumes: a rerun skips what is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING_SEED = 42  # learn.py's data (longsft data sample's default seed)
+GOAL = {"test_ba_ci_low_above": 0.55, "d_ba_invalid_as_fixed_label": 0.10, "p": 0.01, "n": 400}
+
+
+def refuse(why: str) -> None:
+    """Bad input: one line on stderr, exit 2, nothing written."""
+    print(f"bench/retest.py: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
+def trained(run: Path) -> tuple[Path, str]:
+    """(the final best checkpoint, the kind of edits) of learn.py's working folder ``run``, or a refusal."""
+    state_file, config_file = run / "run" / "state.json", run / "run" / "config.yaml"
+    if not state_file.is_file() or not config_file.is_file():
+        refuse(f"{run}: not a bench/learn.py working folder (no run/state.json and run/config.yaml)")
+    stages = json.loads(state_file.read_text())["stages"]
+    unfinished = [n for n, st in stages.items() if st["status"] != "done"]
+    if not stages or unfinished:
+        refuse(f"{state_file}: stage(s) {', '.join(unfinished) or '(none)'} not done; finish the run first")
+    last = list(stages)[-1]
+    best = Path((stages[last].get("best") or {}).get("path", run / "run" / "stages" / last / "best"))
+    if not next(best.glob("*.safetensors"), None):
+        refuse(f"{best}: the final stage's best checkpoint has no weights")
+    train_file = str((yaml.safe_load(config_file.read_text()).get("data") or {}).get("train_file", ""))
+    parents = Path(train_file).parents  # learn.py's <out>/data/<edits>/{bucket}/train.jsonl
+    edits = parents[1].name if len(parents) > 1 else ""
+    if edits not in ("counterfactual", "erhg"):
+        refuse(f"{config_file}: data.train_file {train_file} is not under learn.py's data/<edits>/ folder")
+    return best, edits
+
+
+def fingerprints(paths: list[Path]) -> tuple[set[str], set[str]]:
+    """Hashes of every article, and of every (article, summary) pair, in ``paths`` (JSONL)."""
+    articles, pairs = set(), set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                articles.add(hashlib.sha256(r["article"].encode()).hexdigest())
+                pairs.add(hashlib.sha256((r["article"] + "\0" + r["summary"]).encode()).hexdigest())
+    return articles, pairs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", required=True, help="a finished bench/learn.py working folder (e.g. runs/learn_e2)")
+    ap.add_argument("--seed", type=int, required=True, help=f"the new test set's seed (not {TRAINING_SEED})")
+    ap.add_argument("--test", type=int, default=400, help="held-out items (default 400, balanced)")
+    ap.add_argument("--model", default=None, help="the base model (default: learn.py's GGUF file)")
+    ap.add_argument("--json", default="learn_cpu_retest", help="results name: bench/results/<name>.json")
+    ap.add_argument("--note", default="", help="what this run is, for the results file's note")
+    args = ap.parse_args()
+    if args.seed == TRAINING_SEED:
+        refuse(f"--seed {args.seed}: the training data's seed; its test items are the ones the run was chosen on")
+    if args.test < 2 or args.test % 2:
+        refuse(f"--test {args.test}: an even number, at least 2 (half faithful, half hallucinated)")
+    run = (ROOT / args.run).resolve()
+    best, edits = trained(run)
+    # learn.py imports torch: only after the refusals above, which so take no time
+    sys.path.insert(0, str(Path(__file__).parent))
+    from learn import CLI, MODEL, delta, evaluate, sh
+    from machine import describe, write_result
+
+    args.model = args.model or MODEL
+    out = run / "retest" / f"seed{args.seed}_n{args.test}"
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "log.txt"
+    wall_file = out / "wall.json"
+    wall = json.loads(wall_file.read_text()) if wall_file.exists() else {}
+    machine = describe()
+    record: dict = {"benchmark": "learn_retest", "run": str(Path(args.run)), "checkpoint": str(best.relative_to(run)),
+                    "base_model": args.model, "data": {"seed": args.seed, "test": args.test, "languages": ["en"],
+                                                       "balanced": True, "edits": edits},
+                    "goal": GOAL, "machine": machine,
+                    "note": " ".join(filter(None, [__doc__.splitlines()[0].replace("``", ""), args.note]))}
+
+    def phase(name: str, seconds: float) -> None:
+        if seconds:
+            wall[name] = round(wall.get(name, 0) + seconds, 1)
+            wall_file.write_text(json.dumps(wall))
+        record["wall_s"] = dict(wall)
+        write_result(args.json, record, quiet=True)
+
+    data = out / "data"
+    test = data / "512" / "test.jsonl"
+    if not test.exists():
+        phase("data", sh([*CLI, "data", "sample", "--out", str(data), "--languages", "en", "--balanced", "--buckets",
+                          "512", "--n", "1", "--n-validation", "1", "--n-test", str(args.test), "--seed",
+                          str(args.seed), "--tokenizer", args.model, "--edits", edits], log))
+    seen_articles, seen_pairs = fingerprints(sorted((run / "data" / edits).glob("*/*.jsonl")))
+    new_articles, new_pairs = fingerprints([test])
+    record["overlap_with_training_data"] = {"articles": len(new_articles & seen_articles),
+                                            "article_summary_pairs": len(new_pairs & seen_pairs)}
+    if new_articles & seen_articles:
+        sys.exit(f"bench/retest.py: {len(new_articles & seen_articles)} test article(s) of {test} are in the "
+                 f"run's data; choose another --seed")
+    ev = out / "eval"
+    phase("eval_base", evaluate(args.model, test, ev / "base", log))
+    phase("eval_final", evaluate(str(best), test, ev / "final", log))
+    scores = {k: json.loads((ev / k / "eval.json").read_text()) for k in ("base", "final")}
+    record["test"] = {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
+                          "ci": e["scores"][0].get("ci"), "invalid_rate": e["scores"][0]["invalid_rate"], "n": e["n"]}
+                      for k, e in scores.items()}
+    record["final_minus_base"] = {policy or "own": delta(ev / "base", ev / "final", policy)
+                                  for policy in (None, "faithful", "hallucinated")}
+    fixed = [record["final_minus_base"][p] for p in ("faithful", "hallucinated")]
+    final = record["test"]["final"]
+    record["goal_met"] = {
+        "test_ba_ci_low_above": final["ci"]["balanced_accuracy"]["low"] > GOAL["test_ba_ci_low_above"],
+        "d_ba_invalid_as_fixed_label": all(d["d_ba_diff"] >= GOAL["d_ba_invalid_as_fixed_label"]
+                                           and d["d_ba_p_value"] < GOAL["p"] for d in fixed),
+        "n": final["n"] >= GOAL["n"]}
+    phase("done", 0.0)
+    lines = ["| model | BA [95% CI] | MCC | invalid |", "|---|---|---:|---:|"]
+    for k, m in record["test"].items():
+        ci = m["ci"]["balanced_accuracy"]
+        lines.append(f"| {k} | {m['balanced_accuracy']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}] | {m['mcc']:.3f} | "
+                     f"{m['invalid_rate']:.1%} |")
+    for policy, d in record["final_minus_base"].items():
+        lines.append(f"\nfinal − base, invalid as {policy}: ΔBA {d['d_ba_diff']:+.3f} [{d['d_ba_low']:+.3f}, "
+                     f"{d['d_ba_high']:+.3f}], p {d['d_ba_p_value']:.3f}")
+    lines.append(f"\ngoal met: {record['goal_met']}")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
