@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench/learn.py on the GPU machine: the real model (SmolLM2-135M-Instruct) learns the task (issue 34).
 # First bring the model and the wheels there with bench/gpu_carry.sh (two calls), then, on the same warm
-# machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT)
+# machine:   bash bench/gpu_learn.sh [learn.py options]      (results: bench/results/learn_gpu.json, and $OUT;
+#                                                              then bench/retest.py: learn_gpu_retest.json)
 #            bash bench/gpu_learn.sh table5 [options]        (bench/table5_mini.py --gpu: table5_mini.json;
 #                                                              its MMA judges: two of learn.py's checkpoints if
 #                                                              it ran, else two it trains first, 200 steps each)
@@ -124,4 +125,14 @@ for b in dict.fromkeys(b for b in best[-1:] + best[:1] if glob.glob(f"{b}/*.safe
 fi
 restore "$LEARN" learn_state
 run "$LEARN" learn_state \
-  python3 bench/learn.py --gpu --model "$MODEL" --out "$LEARN" "$@"
+  python3 bench/learn.py --gpu --model "$MODEL" --out "$LEARN" "$@" || exit $?
+# then the final checkpoint and the base model on fresh items (seed 2026, the run's test size): the ones the
+# CPU runs were tested again on (bench/retest.py), where learn.py's test shares its first 200 items with the
+# set the CPU runs' settings were chosen on. A minute or two here; what is left of LIMIT, else on a rerun
+LIMIT=$((LIMIT - SECONDS))
+if [ "$LIMIT" -lt 60 ]; then
+  echo "learn.py done; no time left in LIMIT for bench/retest.py: run the same command again" >&2
+  exit 124
+fi
+run "$LEARN" learn_state \
+  python3 bench/retest.py --run "$LEARN" --seed 2026 --gpu --model "$MODEL" --json learn_gpu_retest

@@ -10,7 +10,7 @@
 #
 # checks: in order, each of which must pass: the CUDA-path and version tests, the serve / client /
 # generate / eval tests, bench/gpu.sh --smoke, gpu_vs_alst.py --smoke, gpu_tiny.sh on one rank and
-# learn.py --gpu at a handful of samples.
+# learn.py --gpu at a handful of samples, then retest.py on it.
 # flow: issue 34's allocations as docs/benchmarks.md (step 3) lays them out, each on a fresh "machine" (its
 # /tmp a folder of its own, LONGSFT_DEVICE_TMP; a fresh checkout; $OUT an empty folder per call; nothing
 # on PYTHONPATH): A brings the model and wheels in two calls (bench/gpu_carry.sh) and runs gpu_learn.sh
@@ -63,6 +63,8 @@ check vs_alst_smoke python3 bench/gpu_vs_alst.py --smoke
 check tiny bash bench/gpu_tiny.sh "$WORK/tiny" 1
 check learn python3 bench/learn.py --gpu --model "$model" --out "$WORK/learn" --n-512 6 --n-1k 4 --n-2k 4 --val 2 \
   --test 4 --json learn_rehearsal
+check retest python3 bench/retest.py --run "$WORK/learn" --seed 2026 --gpu --model "$model" \
+  --json learn_retest_rehearsal
 fi
 if [ "$what" != checks ]; then
 dev=$WORK/machine  # the device machine's /tmp: what a warm machine keeps between calls, emptied for a fresh one
@@ -95,6 +97,7 @@ sys.exit(0 if json.dumps(v) == sys.argv[3] else f"{sys.argv[1]}: {sys.argv[2]} i
 check alloc_a allocation a
 check learn_call call a "$WORK/a.out3" "" "LIMIT=900 bash bench/gpu_learn.sh $learn_args"
 check learn_out holds "$WORK/a.out3/learn_gpu.json" complete true
+check learn_retest holds "$WORK/a.out3/learn_gpu_retest.json" complete true
 check learn_state test -s "$WORK/a.out3/learn_state.tgz"
 check alloc_b allocation b
 check table5_cut cut_off call b "$WORK/b.out3" "" "LIMIT=${CUT:-780} bash bench/gpu_learn.sh table5 $table5_args"

@@ -1,6 +1,6 @@
 """A finished ``bench/learn.py`` run tested again on a fresh held-out set drawn with another seed.
 
-    python bench/retest.py --run runs/learn_e2 --seed 2026 [--test 400] [--json learn_cpu_retest]
+    python bench/retest.py --run runs/learn_e2 --seed 2026 [--test 400] [--gpu] [--json learn_cpu_retest]
 
 learn.py's test set is drawn with the training data's seed (42), and the CPU runs chose among their
 settings (stratified steps, learning rate, epochs) by looking at it. This draws ``--test`` new items
@@ -12,7 +12,10 @@ with invalid answers counted as the runs' own policy, and read as each fixed lab
 gain in answer format alone counts for nothing), against issue 34's goal: the final BA's 95% interval
 above 0.55 and ΔBA ≥ +0.10 at p < 0.01 on ≥ 400 items.
 
-Writes ``bench/results/<json>.json`` after every phase and resumes: a rerun skips what is done.
+``--test`` defaults to the run's own test size; ``--gpu`` evaluates in bf16, as ``learn.py --gpu`` does
+(``bench/gpu_learn.sh`` runs it after ``learn.py --gpu`` there, seed 2026: the CPU runs' fresh items).
+Writes ``bench/results/<json>.json`` after every phase and resumes: a rerun skips what is done (and needs
+no weights once both evaluations are there: a run restored from ``gpu_learn.sh``'s archive).
 """
 
 from __future__ import annotations
@@ -45,10 +48,8 @@ def trained(run: Path) -> tuple[Path, str]:
     unfinished = [n for n, st in stages.items() if st["status"] != "done"]
     if not stages or unfinished:
         refuse(f"{state_file}: stage(s) {', '.join(unfinished) or '(none)'} not done; finish the run first")
-    last = list(stages)[-1]
-    best = Path((stages[last].get("best") or {}).get("path", run / "run" / "stages" / last / "best"))
-    if not next(best.glob("*.safetensors"), None):
-        refuse(f"{best}: the final stage's best checkpoint has no weights")
+    # where learn.py reads it too (state.json's own path names the machine it trained on)
+    best = run / "run" / "stages" / list(stages)[-1] / "best"
     train_file = str((yaml.safe_load(config_file.read_text()).get("data") or {}).get("train_file", ""))
     parents = Path(train_file).parents  # learn.py's <out>/data/<edits>/{bucket}/train.jsonl
     edits = parents[1].name if len(parents) > 1 else ""
@@ -73,39 +74,51 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, help="a finished bench/learn.py working folder (e.g. runs/learn_e2)")
     ap.add_argument("--seed", type=int, required=True, help=f"the new test set's seed (not {TRAINING_SEED})")
-    ap.add_argument("--test", type=int, default=400, help="held-out items (default 400, balanced)")
+    ap.add_argument("--test", type=int, default=None, help="held-out items, balanced (default: the run's test size)")
+    ap.add_argument("--gpu", action="store_true", help="evaluate in bf16 (learn.py --gpu's evaluations)")
     ap.add_argument("--model", default=None, help="the base model (default: learn.py's GGUF file)")
     ap.add_argument("--json", default="learn_cpu_retest", help="results name: bench/results/<name>.json")
     ap.add_argument("--note", default="", help="what this run is, for the results file's note")
     args = ap.parse_args()
     if args.seed == TRAINING_SEED:
         refuse(f"--seed {args.seed}: the training data's seed; its test items are the ones the run was chosen on")
-    if args.test < 2 or args.test % 2:
-        refuse(f"--test {args.test}: an even number, at least 2 (half faithful, half hallucinated)")
     run = (ROOT / args.run).resolve()
     best, edits = trained(run)
+    if args.test is None:
+        own = run / "data" / edits / "512" / "test.jsonl"
+        if not own.is_file():
+            refuse(f"{own}: no test set to take the size from; give --test")
+        args.test = sum(1 for line in own.read_text().splitlines() if line.strip())
+    if args.test < 2 or args.test % 2:
+        refuse(f"--test {args.test}: an even number, at least 2 (half faithful, half hallucinated)")
+    out = run / "retest" / f"seed{args.seed}_n{args.test}"
+    if not (out / "eval" / "final" / "eval.json").is_file() and not next(best.glob("*.safetensors"), None):
+        refuse(f"{best}: the final stage's best checkpoint has no weights")
     # learn.py imports torch: only after the refusals above, which so take no time
     sys.path.insert(0, str(Path(__file__).parent))
     from learn import CLI, MODEL, delta, evaluate, sh
     from machine import describe, write_result
+    from wall import write_wall
 
     args.model = args.model or MODEL
-    out = run / "retest" / f"seed{args.seed}_n{args.test}"
+    eval_keys = ["dtype=bf16"] if args.gpu else []
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     wall_file = out / "wall.json"
     wall = json.loads(wall_file.read_text()) if wall_file.exists() else {}
     machine = describe()
-    record: dict = {"benchmark": "learn_retest", "run": str(Path(args.run)), "checkpoint": str(best.relative_to(run)),
+    record: dict = {"benchmark": "learn_retest", "complete": False, "run": str(Path(args.run)),
+                    "checkpoint": str(best.relative_to(run)),
                     "base_model": args.model, "data": {"seed": args.seed, "test": args.test, "languages": ["en"],
                                                        "balanced": True, "edits": edits},
+                    "eval_settings": eval_keys,
                     "goal": GOAL, "machine": machine,
                     "note": " ".join(filter(None, [__doc__.splitlines()[0].replace("``", ""), args.note]))}
 
     def phase(name: str, seconds: float) -> None:
         if seconds:
             wall[name] = round(wall.get(name, 0) + seconds, 1)
-            wall_file.write_text(json.dumps(wall))
+            write_wall(wall_file, wall)
         record["wall_s"] = dict(wall)
         write_result(args.json, record, quiet=True)
 
@@ -123,8 +136,8 @@ def main() -> None:
         sys.exit(f"bench/retest.py: {len(new_articles & seen_articles)} test article(s) of {test} are in the "
                  f"run's data; choose another --seed")
     ev = out / "eval"
-    phase("eval_base", evaluate(args.model, test, ev / "base", log))
-    phase("eval_final", evaluate(str(best), test, ev / "final", log))
+    phase("eval_base", evaluate(args.model, test, ev / "base", log, eval_keys))
+    phase("eval_final", evaluate(str(best), test, ev / "final", log, eval_keys))
     scores = {k: json.loads((ev / k / "eval.json").read_text()) for k in ("base", "final")}
     record["test"] = {k: {"balanced_accuracy": e["scores"][0]["balanced_accuracy"], "mcc": e["scores"][0]["mcc"],
                           "ci": e["scores"][0].get("ci"), "invalid_rate": e["scores"][0]["invalid_rate"], "n": e["n"]}
@@ -138,6 +151,7 @@ def main() -> None:
         "d_ba_invalid_as_fixed_label": all(d["d_ba_diff"] >= GOAL["d_ba_invalid_as_fixed_label"]
                                            and d["d_ba_p_value"] < GOAL["p"] for d in fixed),
         "n": final["n"] >= GOAL["n"]}
+    record["complete"] = True
     phase("done", 0.0)
     lines = ["| model | BA [95% CI] | MCC | invalid |", "|---|---|---:|---:|"]
     for k, m in record["test"].items():

@@ -420,7 +420,8 @@ def test_learn_bench_refuses_a_stage_smaller_than_one_step(tmp_path):
 
 def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
     """bench/retest.py refuses, in one line and before drawing or evaluating anything, the training data's
-    seed, an odd test size, a folder that is no learn.py run, an unfinished run and a best without weights."""
+    seed, a folder that is no learn.py run, an unfinished run, no test size, an odd one and a best without
+    weights."""
     import subprocess
     import sys
 
@@ -441,7 +442,8 @@ def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
         return r.stderr
 
     assert "--seed 42: the training data's seed" in refusal("--seed", "42")
-    assert "--test 3: an even number" in refusal("--seed", "7", "--test", "3")
     assert "not a bench/learn.py working folder" in refusal("--seed", "7")
     assert "stage(s) s512 not done" in refusal("--seed", "7", state="running")
-    assert "best checkpoint has no weights" in refusal("--seed", "7", state="done")
+    assert "no test set to take the size from; give --test" in refusal("--seed", "7", state="done")
+    assert "--test 3: an even number" in refusal("--seed", "7", "--test", "3")
+    assert "best checkpoint has no weights" in refusal("--seed", "7", "--test", "4")
