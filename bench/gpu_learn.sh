@@ -125,10 +125,11 @@ for b in dict.fromkeys(b for b in best[-1:] + best[:1] if glob.glob(f"{b}/*.safe
 fi
 restore "$LEARN" learn_state
 run "$LEARN" learn_state \
-  python3 bench/learn.py --gpu --model "$MODEL" --out "$LEARN" "$@" || exit $?
+  python3 bench/learn.py --gpu --model "$MODEL" --out "$LEARN" --retest-seed 2026 "$@" || exit $?
 # then the final checkpoint and the base model on fresh items (seed 2026, the run's test size): the ones the
 # CPU runs were tested again on (bench/retest.py), where learn.py's test shares its first 200 items with the
-# set the CPU runs' settings were chosen on. A minute or two here; what is left of LIMIT, else on a rerun
+# set the CPU runs' settings were chosen on. Two evaluations (not yet timed on a GPU); what is left of LIMIT,
+# else on a rerun (which, on a fresh machine, trains learn.py's run again if this one had not evaluated it)
 LIMIT=$((LIMIT - SECONDS))
 if [ "$LIMIT" -lt 60 ]; then
   echo "learn.py done; no time left in LIMIT for bench/retest.py: run the same command again" >&2

@@ -179,6 +179,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=None,
                     help="training processes (2 on CPU: sp=2; --gpu 1); on CPU --ranks 1 also needs parallel.sp_size=1")
     ap.add_argument("--json", default=None, help="results name: bench/results/<name>.json (learn; --gpu learn_gpu)")
+    ap.add_argument("--retest-seed", type=int, default=None,
+                    help="bench/retest.py --seed S follows (gpu_learn.sh): a run restored without weights is "
+                         "trained again until it has evaluated the final checkpoint too")
     args, overrides = ap.parse_known_args()
     if args.ranks is not None and args.ranks < 1:
         ap.error(f"--ranks {args.ranks}: at least 1 training process")
@@ -234,9 +237,14 @@ def main() -> None:
     test = data_dir / "512" / "test.jsonl"
     timed("eval_base", evaluate(model, test, out / "eval" / "base", log, eval_keys))
     run = out / "run"
-    if weightless(run) and not all((out / "eval" / k / "eval.json").exists() for k in ("first", "final")):
+    # the evaluations of the trained weights: learn.py's own, and bench/retest.py's of the final checkpoint
+    # where gpu_learn.sh runs it next (--retest-seed: its folder, the test size being this run's)
+    weighed = [out / "eval" / k for k in ("first", "final")]
+    if args.retest_seed is not None:
+        weighed.append(out / "retest" / f"seed{args.retest_seed}_n{args.test}" / "eval" / "final")
+    if weightless(run) and not all((ev / "eval.json").exists() for ev in weighed):
         # restored from gpu_learn.sh's archive on a fresh machine: no weights to evaluate
-        retrain(run, [out / "eval" / k for k in ("first", "final", "vote")])
+        retrain(run, [*weighed, out / "eval" / "vote"])
     state = json.loads((run / "state.json").read_text()) if (run / "state.json").exists() else {"stages": {}}
     if not state["stages"] or any(s["status"] != "done" for s in state["stages"].values()):
         timed("train", sh([sys.executable, "-m", "torch.distributed.run", "--standalone",

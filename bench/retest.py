@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -44,7 +45,7 @@ def trained(run: Path) -> tuple[Path, str]:
     state_file, config_file = run / "run" / "state.json", run / "run" / "config.yaml"
     if not state_file.is_file() or not config_file.is_file():
         refuse(f"{run}: not a bench/learn.py working folder (no run/state.json and run/config.yaml)")
-    stages = json.loads(state_file.read_text())["stages"]
+    stages = json.loads(state_file.read_text()).get("stages") or {}
     unfinished = [n for n, st in stages.items() if st["status"] != "done"]
     if not stages or unfinished:
         refuse(f"{state_file}: stage(s) {', '.join(unfinished) or '(none)'} not done; finish the run first")
@@ -77,13 +78,19 @@ def main() -> None:
     ap.add_argument("--test", type=int, default=None, help="held-out items, balanced (default: the run's test size)")
     ap.add_argument("--gpu", action="store_true", help="evaluate in bf16 (learn.py --gpu's evaluations)")
     ap.add_argument("--model", default=None, help="the base model (default: learn.py's GGUF file)")
-    ap.add_argument("--json", default="learn_cpu_retest", help="results name: bench/results/<name>.json")
+    ap.add_argument("--json", default=None,
+                    help="results name: bench/results/<name>.json (learn_cpu_retest; --gpu learn_gpu_retest)")
     ap.add_argument("--note", default="", help="what this run is, for the results file's note")
     args = ap.parse_args()
     if args.seed == TRAINING_SEED:
         refuse(f"--seed {args.seed}: the training data's seed; its test items are the ones the run was chosen on")
+    args.json = args.json or ("learn_gpu_retest" if args.gpu else "learn_cpu_retest")
     run = (ROOT / args.run).resolve()
     best, edits = trained(run)
+    seen = sorted((run / "data" / edits).glob("*/*.jsonl"))
+    if not (run / "data" / edits / "512" / "train.jsonl").is_file():
+        refuse(f"{run / 'data' / edits}: the run's data are not there (a restored run: learn.py makes them again), "
+               f"so its articles cannot be kept out of the test")
     if args.test is None:
         own = run / "data" / edits / "512" / "test.jsonl"
         if not own.is_file():
@@ -98,7 +105,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from learn import CLI, MODEL, delta, evaluate, sh
     from machine import describe, write_result
-    from wall import write_wall
+    from wall import count_cut_off, write_wall
 
     args.model = args.model or MODEL
     eval_keys = ["dtype=bf16"] if args.gpu else []
@@ -115,11 +122,16 @@ def main() -> None:
                     "goal": GOAL, "machine": machine,
                     "note": " ".join(filter(None, [__doc__.splitlines()[0].replace("``", ""), args.note]))}
 
+    last = {"end": time.time()}  # the last phase's end: a phase stopped by SIGTERM counts in wall_s.cut_off
+    count_cut_off(wall_file, lambda: last["end"])
+
     def phase(name: str, seconds: float) -> None:
+        last["end"] = time.time()
         if seconds:
             wall[name] = round(wall.get(name, 0) + seconds, 1)
             write_wall(wall_file, wall)
         record["wall_s"] = dict(wall)
+        record["wall_s_total"] = round(sum(wall.values()), 1)
         write_result(args.json, record, quiet=True)
 
     data = out / "data"
@@ -128,9 +140,13 @@ def main() -> None:
         phase("data", sh([*CLI, "data", "sample", "--out", str(data), "--languages", "en", "--balanced", "--buckets",
                           "512", "--n", "1", "--n-validation", "1", "--n-test", str(args.test), "--seed",
                           str(args.seed), "--tokenizer", args.model, "--edits", edits], log))
-    seen_articles, seen_pairs = fingerprints(sorted((run / "data" / edits).glob("*/*.jsonl")))
+    seen_articles, seen_pairs = fingerprints(seen)
     new_articles, new_pairs = fingerprints([test])
-    record["overlap_with_training_data"] = {"articles": len(new_articles & seen_articles),
+    # the file's hash: the same items wherever it is drawn (the generator sizes articles with the tokenizer)
+    record["data"]["test_sha256"] = hashlib.sha256(test.read_bytes()).hexdigest()
+    record["overlap_with_training_data"] = {"files": [str(p.relative_to(run)) for p in seen],
+                                            "articles_checked": len(seen_articles),
+                                            "articles": len(new_articles & seen_articles),
                                             "article_summary_pairs": len(new_pairs & seen_pairs)}
     if new_articles & seen_articles:
         sys.exit(f"bench/retest.py: {len(new_articles & seen_articles)} test article(s) of {test} are in the "
@@ -146,8 +162,9 @@ def main() -> None:
                                   for policy in (None, "faithful", "hallucinated")}
     fixed = [record["final_minus_base"][p] for p in ("faithful", "hallucinated")]
     final = record["test"]["final"]
+    low = ((final["ci"] or {}).get("balanced_accuracy") or {}).get("low", float("nan"))
     record["goal_met"] = {
-        "test_ba_ci_low_above": final["ci"]["balanced_accuracy"]["low"] > GOAL["test_ba_ci_low_above"],
+        "test_ba_ci_low_above": low > GOAL["test_ba_ci_low_above"],
         "d_ba_invalid_as_fixed_label": all(d["d_ba_diff"] >= GOAL["d_ba_invalid_as_fixed_label"]
                                            and d["d_ba_p_value"] < GOAL["p"] for d in fixed),
         "n": final["n"] >= GOAL["n"]}
@@ -155,7 +172,7 @@ def main() -> None:
     phase("done", 0.0)
     lines = ["| model | BA [95% CI] | MCC | invalid |", "|---|---|---:|---:|"]
     for k, m in record["test"].items():
-        ci = m["ci"]["balanced_accuracy"]
+        ci = (m["ci"] or {}).get("balanced_accuracy") or {"low": float("nan"), "high": float("nan")}
         lines.append(f"| {k} | {m['balanced_accuracy']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}] | {m['mcc']:.3f} | "
                      f"{m['invalid_rate']:.1%} |")
     for policy, d in record["final_minus_base"].items():

@@ -420,8 +420,8 @@ def test_learn_bench_refuses_a_stage_smaller_than_one_step(tmp_path):
 
 def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
     """bench/retest.py refuses, in one line and before drawing or evaluating anything, the training data's
-    seed, a folder that is no learn.py run, an unfinished run, no test size, an odd one and a best without
-    weights."""
+    seed, a folder that is no learn.py run, an unfinished run, one without its data, no test size, an odd
+    one and a best without weights."""
     import subprocess
     import sys
 
@@ -444,6 +444,9 @@ def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
     assert "--seed 42: the training data's seed" in refusal("--seed", "42")
     assert "not a bench/learn.py working folder" in refusal("--seed", "7")
     assert "stage(s) s512 not done" in refusal("--seed", "7", state="running")
-    assert "no test set to take the size from; give --test" in refusal("--seed", "7", state="done")
+    assert "the run's data are not there" in refusal("--seed", "7", state="done")
+    (run / "data" / "counterfactual" / "512").mkdir(parents=True)
+    (run / "data" / "counterfactual" / "512" / "train.jsonl").write_text("")
+    assert "no test set to take the size from; give --test" in refusal("--seed", "7")
     assert "--test 3: an even number" in refusal("--seed", "7", "--test", "3")
     assert "best checkpoint has no weights" in refusal("--seed", "7", "--test", "4")
