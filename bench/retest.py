@@ -45,13 +45,18 @@ def trained(run: Path) -> tuple[Path, str]:
     state_file, config_file = run / "run" / "state.json", run / "run" / "config.yaml"
     if not state_file.is_file() or not config_file.is_file():
         refuse(f"{run}: not a bench/learn.py working folder (no run/state.json and run/config.yaml)")
-    stages = json.loads(state_file.read_text()).get("stages") or {}
-    unfinished = [n for n, st in stages.items() if st["status"] != "done"]
+    try:  # (UnicodeDecodeError is a ValueError)
+        stages = json.loads(state_file.read_text()).get("stages") or {}
+        config = yaml.safe_load(config_file.read_text()) or {}
+        unfinished = [n for n, st in stages.items() if st["status"] != "done"]
+        train_file = str((config.get("data") or {}).get("train_file", ""))
+    except (ValueError, yaml.YAMLError, AttributeError, KeyError, TypeError) as e:
+        why = (str(e).splitlines() or [""])[0]
+        refuse(f"{run / 'run'}: its state.json or config.yaml is not what learn.py writes ({type(e).__name__}: {why})")
     if not stages or unfinished:
         refuse(f"{state_file}: stage(s) {', '.join(unfinished) or '(none)'} not done; finish the run first")
     # where learn.py reads it too (state.json's own path names the machine it trained on)
     best = run / "run" / "stages" / list(stages)[-1] / "best"
-    train_file = str((yaml.safe_load(config_file.read_text()).get("data") or {}).get("train_file", ""))
     parents = Path(train_file).parents  # learn.py's <out>/data/<edits>/{bucket}/train.jsonl
     edits = parents[1].name if len(parents) > 1 else ""
     if edits not in ("counterfactual", "erhg"):
