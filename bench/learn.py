@@ -48,6 +48,7 @@ from longsft.train.training.tracker import latest_metrics
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import describe, write_result
 from restore import retrain, weightless
+from retest import folder as retest_folder
 from wall import count_cut_off, write_wall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,7 +242,7 @@ def main() -> None:
     # where gpu_learn.sh runs it next (--retest-seed: its folder, the test size being this run's)
     weighed = [out / "eval" / k for k in ("first", "final")]
     if args.retest_seed is not None:
-        weighed.append(out / "retest" / f"seed{args.retest_seed}_n{args.test}" / "eval" / "final")
+        weighed.append(retest_folder(out, args.retest_seed, args.test, args.gpu) / "eval" / "final")
     if weightless(run) and not all((ev / "eval.json").exists() for ev in weighed):
         # restored from gpu_learn.sh's archive on a fresh machine: no weights to evaluate
         retrain(run, [*weighed, out / "eval" / "vote"])

@@ -64,6 +64,12 @@ def trained(run: Path) -> tuple[Path, str]:
     return best, edits
 
 
+def folder(learn_out: Path, seed: int, n: int, gpu: bool) -> Path:
+    """Where a retest of ``learn_out`` keeps its data and evaluations: one per seed, size and evaluation
+    dtype (so that a rerun with other settings never resumes another's answers)."""
+    return learn_out / "retest" / f"seed{seed}_n{n}{'_bf16' if gpu else ''}"
+
+
 def fingerprints(paths: list[Path]) -> tuple[set[str], set[str]]:
     """Hashes of every article, and of every (article, summary) pair, in ``paths`` (JSONL)."""
     articles, pairs = set(), set()
@@ -103,7 +109,7 @@ def main() -> None:
         args.test = sum(1 for line in own.read_text().splitlines() if line.strip())
     if args.test < 2 or args.test % 2:
         refuse(f"--test {args.test}: an even number, at least 2 (half faithful, half hallucinated)")
-    out = run / "retest" / f"seed{args.seed}_n{args.test}"
+    out = folder(run, args.seed, args.test, args.gpu)
     if not (out / "eval" / "final" / "eval.json").is_file() and not next(best.glob("*.safetensors"), None):
         refuse(f"{best}: the final stage's best checkpoint has no weights")
     # learn.py imports torch: only after the refusals above, which so take no time
