@@ -46,7 +46,7 @@ from longsft.train.config.recipes import load_config
 from longsft.train.training.tracker import latest_metrics
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import describe, write_result
+from machine import bad_result_name, describe, write_result
 from restore import retrain, weightless
 from retest import folder as retest_folder
 from wall import count_cut_off, write_wall
@@ -193,6 +193,8 @@ def main() -> None:
             setattr(args, key, value)
     args.out = args.out or ("runs/learn_gpu" if args.gpu else "runs/learn")
     args.json = args.json or ("learn_gpu" if args.gpu else "learn")
+    if bad_result_name(args.json):
+        refuse(bad_result_name(args.json))
     model = args.model
     # stratified steps: the CPU runs learned with them at two seeds, far less without (docs/training.md)
     train_keys = ([f"model.path={model}"] if model != MODEL else []) + ["data.stratify=true"] + \

@@ -47,6 +47,14 @@ def nominal_bf16_tflops(gpu_name: str) -> float | None:
     return None
 
 
+def bad_result_name(name: str) -> str | None:
+    """Why ``name`` cannot name a results file (``bench/results/<name>.json``: a plain file name, nothing that
+    leads out of that folder), or None."""
+    if not name or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
+        return f"--json {name!r}: a plain file name (no folder, not starting with '.'): bench/results/<name>.json"
+    return None
+
+
 def write_result(name: str, result: dict, quiet: bool = False) -> None:
     """``bench/results/<name>.json`` (the machine described), and say where (``quiet``: not). Written whole or
     not at all (a temporary file renamed): a run cut off while it rewrites its partial results keeps the last."""
@@ -54,6 +62,8 @@ def write_result(name: str, result: dict, quiet: bool = False) -> None:
     import os
     from pathlib import Path
 
+    if bad_result_name(name):
+        raise ValueError(bad_result_name(name))
     out = Path(__file__).parent / "results" / f"{name}.json"
     tmp = out.with_name(f".{out.name}.tmp")
     tmp.write_text(json.dumps({**result, "machine": result.get("machine") or describe()}, indent=2) + "\n")

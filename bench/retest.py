@@ -29,6 +29,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import bad_result_name  # noqa: E402  (no torch: the refusals below stay instant)
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_SEED = 42  # learn.py's data (longsft data sample's default seed)
 GOAL = {"test_ba_ci_low_above": 0.55, "d_ba_invalid_as_fixed_label": 0.10, "p": 0.01, "n": 400}
@@ -96,6 +99,8 @@ def main() -> None:
     if args.seed == TRAINING_SEED:
         refuse(f"--seed {args.seed}: the training data's seed; its test items are the ones the run was chosen on")
     args.json = args.json or ("learn_gpu_retest" if args.gpu else "learn_cpu_retest")
+    if bad_result_name(args.json):
+        refuse(bad_result_name(args.json))
     run = (ROOT / args.run).resolve()
     best, edits = trained(run)
     seen = sorted((run / "data" / edits).glob("*/*.jsonl"))
@@ -113,7 +118,6 @@ def main() -> None:
     if not (out / "eval" / "final" / "eval.json").is_file() and not next(best.glob("*.safetensors"), None):
         refuse(f"{best}: the final stage's best checkpoint has no weights")
     # learn.py imports torch: only after the refusals above, which so take no time
-    sys.path.insert(0, str(Path(__file__).parent))
     from learn import CLI, MODEL, delta, evaluate, sh
     from machine import describe, write_result
     from wall import count_cut_off, write_wall

@@ -442,6 +442,7 @@ def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
         return r.stderr
 
     assert "--seed 42: the training data's seed" in refusal("--seed", "42")
+    assert "--json '../../x': a plain file name" in refusal("--seed", "7", "--json", "../../x")
     assert "not a bench/learn.py working folder" in refusal("--seed", "7")
     assert "stage(s) s512 not done" in refusal("--seed", "7", state="running")
     assert "the run's data are not there" in refusal("--seed", "7", state="done")
