@@ -451,3 +451,27 @@ def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
     assert "no test set to take the size from; give --test" in refusal("--seed", "7")
     assert "--test 3: an even number" in refusal("--seed", "7", "--test", "3")
     assert "best checkpoint has no weights" in refusal("--seed", "7", "--test", "4")
+
+
+def test_table5_bench_refuses_options_it_cannot_honour(tmp_path):
+    """bench/table5_mini.py refuses, before sampling anything, --smoke with --sizes, a negative --judge-steps
+    and a working folder made with other sizes (its data and answers were made for those)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "t5"
+
+    def refusal(*args: str) -> str:
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "table5_mini.py"), "--out", str(out), *args],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert not (out / "human.jsonl").exists() and not (out / "sample").exists()
+        return r.stderr
+
+    assert "--smoke and --sizes" in refusal("--smoke", "--sizes", "gpu")
+    assert "--judge-steps -1" in refusal("--smoke", "--judge-steps", "-1")
+    out.mkdir()
+    (out / "sizes.json").write_text(json.dumps({"articles": 3}))
+    err = refusal("--sizes", "gpu")
+    assert "was made with sizes" in err and len(err.strip().splitlines()) == 1, err
+    assert json.loads((out / "sizes.json").read_text()) == {"articles": 3}  # the folder's record kept
