@@ -21,8 +21,8 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    summaries unjudged), so ``--judge-model A [B]`` serves other checkpoints for the judges (A is also
    the arbiter; two: both greedy; the flag once per model): ``bench/gpu_learn.sh table5`` passes the checkpoints
    ``learn.py --gpu`` trained (its first stage's and its latest stage's best) when there are any; without the
-   flag it first trains them itself (``--judge-steps``: CPU 120, GPU 200, smoke 0; ``--judges``: CPU 1, GPU
-   2, on data and in an order of their own: :func:`train_judge`, OUT/judge and OUT/judge_b), so that a GPU
+   flag it first trains them itself (``--judge-steps``: CPU 120, GPU sizes 200, smoke 0; ``--judges``: CPU 1,
+   GPU sizes or settings 2, on data and in an order of their own: :func:`train_judge`, OUT/judge and OUT/judge_b), so that a GPU
    allocation of its own, without learn.py's checkpoint, still has judges. Every
    server batches greedy requests (``longsft serve batch=N``) and ``data mma`` keeps N articles in
    flight (``--concurrency``);
@@ -37,6 +37,9 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    there without reading the article; the second test gains only from reading it;
 7. ``longsft report --compare base <arm>`` for each arm and test: ΔBA and ΔMCC with paired bootstrap
    intervals.
+
+``--report`` (with the run's own options) writes the results file from what the working folder holds, a
+run cut off or still running, and prints its tables; it runs nothing.
 
 Writes bench/results/table5_mini_cpu.json (``--gpu``: table5_mini.json, ``--smoke``: table5_mini_smoke.json,
 ``--gpu --smoke``: table5_mini_gpu_smoke.json, ``--sizes gpu`` on a CPU: table5_mini_cpu_gpu_size.json) and
@@ -305,6 +308,13 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def tables(result: dict) -> str:
+    """The results' two tables (the held-out test's, the counterfactual test's) in Markdown."""
+    return "\n".join(["Held-out articles of the ablation (human, MMA and ERHG items):", "", *table(result["rows"]), "",
+                      "Other articles, counterfactual hallucinations (`longsft data sample --edits counterfactual`: "
+                      "only the article reveals them):", "", *table(result["transfer_rows"])])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
@@ -321,10 +331,16 @@ def main() -> None:
                          "the first is also the arbiter")
     ap.add_argument("--judge-steps", type=int, default=None,
                     help="without --judge-model: train the judges' checkpoints for this many steps first (CPU 120, "
-                         "--gpu 200: the base model rarely states a score; --smoke 0: the base model judges)")
+                         "--gpu or --sizes gpu 200: the base model rarely states a score; --smoke 0: the base model "
+                         "judges)")
     ap.add_argument("--judges", type=int, choices=(1, 2), default=None,
                     help="how many judges to train (CPU and --smoke 1: judge B samples from judge A's model; "
-                         "--gpu 2: both greedy, each on data and in an order of its own)")
+                         "--gpu or --sizes gpu 2: both greedy, each on data and in an order of its own)")
+    ap.add_argument("--report", action="store_true",
+                    help="write the results file from what the working folder holds (a run cut off, or still "
+                         "running: what it has measured so far) and print its tables; runs nothing. Give it the "
+                         "run's own options")
+    ap.add_argument("--note", default="", help="what this run is, for the results file's note")
     a, extra = ap.parse_known_args()
     if a.judge_steps is not None and a.judge_steps < 0:
         ap.error(f"--judge-steps {a.judge_steps}: 0 (the base model judges) or more")
@@ -341,6 +357,8 @@ def main() -> None:
     label = "_".join(x for x in ("gpu" if a.gpu else "", "smoke" if a.smoke else "",
                                  f"{size}_size" if size != mode else "") if x)
     out = (ROOT / (a.out or f"runs/table5_mini{'_' + label if label else ''}")).resolve()
+    if a.report and not (out / "sizes.json").exists():
+        refuse(f"--report: {out} holds no run of this script (no sizes.json); give the run's own options")
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     same_sizes(out, n)
@@ -393,12 +411,14 @@ def main() -> None:
         manifest = json.loads((arms / "manifest.json").read_text()) if (arms / "manifest.json").exists() else None
         samples = {name: sum(c["n"] for c in manifest["sets"][name].values()) for name in run_dirs} if manifest else {}
         stats = Path(str(mma) + ".stats.json")
-        return {"benchmark": "table5_mini", "mode": mode, "size": size, "gpu": a.gpu, "complete": complete, "model": a.model,
+        note = " ".join(filter(None, [__doc__.split("\n\n")[0].replace("\n", " "), a.note]))
+        return {"benchmark": "table5_mini", "note": note, "mode": mode, "size": size, "gpu": a.gpu, "complete": complete, "model": a.model,
                 "judge_models": a.judge_model or [a.model], "judge_training": judge,
                 "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n,
                 "rows": scored(out / "eval", models, samples),
                 "transfer_rows": scored(out / "eval_transfer", models, samples),
                 "arm_training": {name: arm_state(Path(run_dir)) for name, run_dir in run_dirs.items()},
+                "arms": manifest["sets"] if manifest else None,  # each set's samples by source and label
                 "mma": json.loads(stats.read_text()) if stats.exists() else None,
                 "wall_s": {k: round(v, 1) for k, v in wall.items()}, "machine": machine}
 
@@ -412,6 +432,22 @@ def main() -> None:
         write_wall(out / "wall.json", wall)
         write_result(result_name, record(False), quiet=True)
 
+    # the judges' training: at the GPU's sizes 200 steps, two judges (both greedy), else 120 and one
+    steps = a.judge_steps if a.judge_steps is not None else {"cpu": 120, "gpu": 200, "smoke": 0}[size]
+    count = a.judges or (2 if learn else 1)
+    if a.report:
+        if not a.judge_model and steps > 0:  # the judges this script trained, if any (nothing trained now)
+            found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=False)
+                     for folder in list(JUDGE_RUNS)[:count]]
+            a.judge_model = [best for best, info in found if info is not None] or None
+            judge = [info for _, info in found if info is not None] or None
+        list_tasks()
+        evaluated = bool(tasks) and all((out / folder / name / "eval.json").exists()
+                                        for folder in tests for name in models)
+        result = record(evaluated)
+        write_result(result_name, result)
+        print(tables(result))
+        return
     if not human.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",
             str(n["articles"]), "--n-validation", "1", "--tokenizer", a.model], log)
@@ -421,8 +457,6 @@ def main() -> None:
     if not erhg.exists():
         sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
         done("erhg")
-    steps = a.judge_steps if a.judge_steps is not None else {"cpu": 120, "gpu": 200, "smoke": 0}[mode]
-    count = a.judges or (2 if a.gpu else 1)
     if not a.judge_model and steps > 0:  # (once the MMA data are made, only reported)
         found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=not mma.exists(), seed=seed,
                              val_items=8 if a.smoke else 48)
@@ -477,12 +511,8 @@ def main() -> None:
                 sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out / folder / name}", *eval_keys], log)
                 done(f"{folder}_{name}")
     result = record(True)
-    rows, transfer_rows = result["rows"], result["transfer_rows"]
-    lines = ["Held-out articles of the ablation (human, MMA and ERHG items):", "", *table(rows), "",
-             "Other articles, counterfactual hallucinations (`longsft data sample --edits counterfactual`: only the "
-             "article reveals them):", "", *table(transfer_rows)]
-    (out / "table5.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    (out / "table5.md").write_text(tables(result) + "\n")
+    print(tables(result))
     write_result(result_name, result)
 
 

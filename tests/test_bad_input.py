@@ -469,9 +469,39 @@ def test_table5_bench_refuses_options_it_cannot_honour(tmp_path):
         return r.stderr
 
     assert "--smoke and --sizes" in refusal("--smoke", "--sizes", "gpu")
+    assert "holds no run of this script" in refusal("--report")
+    assert not out.exists()  # (--report made no folder)
     assert "--judge-steps -1" in refusal("--smoke", "--judge-steps", "-1")
     out.mkdir()
     (out / "sizes.json").write_text(json.dumps({"articles": 3}))
     err = refusal("--sizes", "gpu")
     assert "was made with sizes" in err and len(err.strip().splitlines()) == 1, err
     assert json.loads((out / "sizes.json").read_text()) == {"articles": 3}  # the folder's record kept
+
+
+def test_table5_bench_report_writes_what_the_folder_holds(tmp_path):
+    """bench/table5_mini.py --report on a run that has made nothing yet: a results file marked incomplete,
+    no rows, the tables' headers printed, nothing sampled (the smoke's results file, restored after)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "t5"
+    out.mkdir()
+    sizes = {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160, "batch": 4, "transfer": 2,
+             "epochs": 2}
+    (out / "sizes.json").write_text(json.dumps(sizes, sort_keys=True))
+    result = ROOT / "bench" / "results" / "table5_mini_smoke.json"
+    before = result.read_bytes() if result.exists() else None
+    try:
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "table5_mini.py"), "--smoke", "--out", str(out),
+                            "--report", "--note", "a test"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "| training data | samples |" in r.stdout
+        written = json.loads(result.read_text())
+        assert written["complete"] is False and written["rows"] == [] and written["note"].endswith("a test")
+        assert sorted(p.name for p in out.iterdir()) == ["sizes.json"]
+    finally:
+        if before is None:
+            result.unlink(missing_ok=True)
+        else:
+            result.write_bytes(before)
