@@ -179,7 +179,12 @@ def same_sizes(out: Path, n: dict) -> None:
     path = out / "sizes.json"
     if not path.exists():
         path.write_text(json.dumps(n, sort_keys=True))
-    elif json.loads(path.read_text()) != n:
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        refuse(f"{path}: not this script's sizes record ({type(e).__name__}); use another --out or remove it")
+    if recorded != n:
         refuse(f"{out} was made with sizes {path.read_text()}, not "
                  f"{json.dumps(n, sort_keys=True)}; use another --out or remove it")
 
@@ -367,6 +372,8 @@ def main() -> None:
     out = (ROOT / (a.out or f"runs/table5_mini{'_' + label if label else ''}")).resolve()
     if a.report and not (out / "sizes.json").exists():
         refuse(f"--report: {out} holds no run of this script (no sizes.json); give the run's own options")
+    if out.exists() and not out.is_dir():
+        refuse(f"--out {out}: a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     log = Path(os.devnull) if a.report else out / "log.txt"  # (a report leaves the run's folder as it is)
     same_sizes(out, n)

@@ -480,6 +480,13 @@ def test_table5_bench_refuses_options_it_cannot_honour(tmp_path):
     err = refusal("--gpu-sizes")
     assert "was made with sizes" in err and len(err.strip().splitlines()) == 1, err
     assert json.loads((out / "sizes.json").read_text()) == {"articles": 3}  # the folder's record kept
+    (out / "sizes.json").write_bytes(b"\xff\xfe")
+    assert "not this script's sizes record" in refusal("--report")
+    assert (out / "sizes.json").read_bytes() == b"\xff\xfe"
+    (tmp_path / "f").write_text("mine")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "table5_mini.py"), "--out", str(tmp_path / "f")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "a file, not a folder" in r.stderr and (tmp_path / "f").read_text() == "mine"
 
 
 def test_table5_bench_report_writes_what_the_folder_holds(tmp_path):
