@@ -1,14 +1,14 @@
 """bf16 against fp32 on this CPU: the matmuls of one SmolLM2-135M layer and its head, and one training
 step (forward and backward) of a one-layer model of that shape.
 
-    python bench/cpu_bf16.py [--tokens 512] [--rounds 3]
+    python bench/cpu_bf16.py [--tokens 512] [--rounds 3] [--json cpu_bf16]
 
 PyTorch sends bf16 matmuls to oneDNN on CPUs with AVX-512 (natively with ``avx512_bf16`` or AMX); on
 AVX2-only CPUs (AMD Zen 3, older Intel) it falls back to a path many times slower than fp32. longsft says so
 when a run, ``longsft eval`` or ``longsft serve`` puts a bf16 model on such a CPU (``cpu_features.bf16_hint``).
 Rounds alternate the dtypes; each figure is the median. FLOPs: 2 per multiply-add of the matmuls only
 (attention and elementwise work not counted), training step 3x the forward's. Writes
-bench/results/cpu_bf16.json.
+bench/results/cpu_bf16.json (``--json``: another name).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from machine import write_result  # noqa: E402
+from machine import bad_result_name, write_result  # noqa: E402
 
 from longsft.train.common.cpu_features import bf16_dot, cpu_fields, fast_bf16  # noqa: E402
 
@@ -65,7 +65,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default="cpu_bf16", metavar="NAME",
+                    help="the results file's name in bench/results (default cpu_bf16; another CPU's: another name)")
     a = ap.parse_args()
+    if bad_result_name(a.json):
+        ap.exit(2, f"cpu_bf16.py: {bad_result_name(a.json)}\n")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     flops = 2 * a.tokens * sum(i * o for _, i, o in GEMMS)
     times: dict[str, dict[str, list[float]]] = {k: {"gemms": [], "train_step": []} for k in dtypes}
@@ -86,7 +90,7 @@ def main() -> None:
     for name, r in rows.items():
         print(f"| {name} | {r['gemms_s']:.4f} | {r['gemms_gflops']:.1f} | {r['train_step_s']:.3f} |")
     print(f"bf16 / fp32 time: matmuls {ratio['gemms_s']}x, train step {ratio['train_step_s']}x")
-    write_result("cpu_bf16", {"benchmark": "cpu_bf16", "tokens": a.tokens, "rounds": a.rounds,
+    write_result(a.json, {"benchmark": "cpu_bf16", "tokens": a.tokens, "rounds": a.rounds,
                               "threads": torch.get_num_threads(), "onednn_bf16": fast, "bf16_dot_instructions": dot,
                               "flop_convention": "2 per multiply-add of the listed matmuls; train step 3x forward",
                               "rows": rows, "bf16_over_fp32_time": ratio})

@@ -54,8 +54,8 @@ for pkg in train eval recipes ds_configs launch; do ln -sfn "$WORK/$pkg" "$site/
 export PATH="$VENV/bin:$PATH" PYTHONPATH="$site" PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="$WORK/ext"
 cd "$WORK"
 log=$WORK/logs; mkdir -p "$log"
-# a CPU without a fast bf16 path (AVX2 only) runs PyTorch's bf16 matmuls many times slower than fp32 (on a
-# 2-core AVX2 EPYC, one 2K-token step of the 135M model took 345 s): there the learning and Table 5 runs
+# a CPU without a fast bf16 path (AVX2 only) runs PyTorch's bf16 matmuls many times slower than fp32
+# (bench/cpu_bf16.py): there the learning and Table 5 runs
 # below train, judge and evaluate in fp32 (--dtype fp32), so that they fit the calls' limits; their bf16 path
 # is the GPU's (bench/gpu.sh --smoke checks bf16 training on this CPU first)
 dtype_args=""
